@@ -1,0 +1,55 @@
+"""hf_tfm: a configurable transformer (encoder or decoder) that plugs into Hugging Face transformers.
+
+Importing the package registers `TfmConfig` and every model class with transformers' Auto classes (idempotent), and
+marks them for remote code, so each saved checkpoint carries `configuration.py`, `modeling.py` and an `auto_map`.
+"""
+
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
+
+from .configuration import TfmConfig
+from .modeling import (
+    TfmForCausalLM,
+    TfmForMaskedLM,
+    TfmForSequenceClassification,
+    TfmForTokenClassification,
+    TfmModel,
+    TfmPreTrainedModel,
+)
+
+__version__ = "0.1.0"
+
+AUTO_CLASSES = {
+    "AutoModel": (AutoModel, TfmModel),
+    "AutoModelForCausalLM": (AutoModelForCausalLM, TfmForCausalLM),
+    "AutoModelForSequenceClassification": (AutoModelForSequenceClassification, TfmForSequenceClassification),
+    "AutoModelForMaskedLM": (AutoModelForMaskedLM, TfmForMaskedLM),
+    "AutoModelForTokenClassification": (AutoModelForTokenClassification, TfmForTokenClassification),
+}
+
+
+def _register() -> None:
+    AutoConfig.register(TfmConfig.model_type, TfmConfig, exist_ok=True)
+    TfmConfig.register_for_auto_class()
+    for auto_name, (auto_class, model_class) in AUTO_CLASSES.items():
+        auto_class.register(TfmConfig, model_class, exist_ok=True)
+        model_class.register_for_auto_class(auto_name)
+
+
+_register()
+
+__all__ = [
+    "TfmConfig",
+    "TfmForCausalLM",
+    "TfmForMaskedLM",
+    "TfmForSequenceClassification",
+    "TfmForTokenClassification",
+    "TfmModel",
+    "TfmPreTrainedModel",
+]

@@ -1,0 +1,192 @@
+"""TfmConfig: one flat config that describes every block hf_tfm can build.
+
+Each architectural axis is one `Literal` field, so an invalid variant cannot be spelled; combinations that make no
+sense fail at construction with a `ValueError` that names the knob. This file imports no torch, as HF configs don't.
+"""
+
+import functools
+from typing import Literal
+
+from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassError
+from transformers import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@strict
+class TfmConfig(PreTrainedConfig):
+    r"""Configuration of an hf_tfm transformer: encoder (`is_causal=False`) or decoder (`is_causal=True`).
+
+    `TfmConfig()` builds a small Llama-style decoder (RoPE, RMSNorm, SwiGLU, pre-norm). Field names follow
+    `LlamaConfig` / `BertConfig` where those exist, so users' habits and transformers' own helpers (caches, masks,
+    RoPE scaling, PEFT, Trainer) read them unchanged.
+    """
+
+    model_type = "hf_tfm"
+    keys_to_ignore_at_inference = ["cache"]
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+
+    # --- sizes
+    vocab_size: int = 1024
+    hidden_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int | None = None  # None: multi-head; fewer than the heads: GQA (arXiv:2305.13245); 1: MQA
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    intermediate_size: int | None = None  # None: 4 * hidden_size (mlp) or 8/3 * hidden_size rounded to 64 (glu)
+    max_position_embeddings: int = 2048
+
+    # --- positions: added to the embeddings (sinusoidal, learned) or applied in attention (rope, alibi)
+    position_embedding_type: Literal["sinusoidal", "learned", "rope", "alibi"] = "rope"
+    rope_parameters: RopeParameters | dict | None = None  # the v5 field: rope_theta, rope_type and its scaling keys
+    type_vocab_size: int = 0  # > 0 adds BERT-style token type (segment) embeddings
+
+    # --- normalisation
+    norm_type: Literal["layernorm", "rmsnorm"] = "rmsnorm"  # RMSNorm: arXiv:1910.07467
+    norm_eps: float = 1e-6
+    norm_bias: bool = True  # LayerNorm only
+    norm_position: Literal["pre", "post"] = "pre"  # pre-norm stacks end with a final norm; post-norm (BERT) do not
+    embedding_norm: bool = False  # a norm right after the embeddings (BERT, ModernBERT)
+
+    # --- feed-forward: "glu" is gate_proj/up_proj/down_proj (silu -> SwiGLU, gelu -> GeGLU; arXiv:2002.05202)
+    ffn_type: Literal["mlp", "glu"] = "glu"
+    hidden_act: str = "silu"
+    mlp_bias: bool = False
+
+    # --- attention
+    attention_bias: bool = False  # bias on q/k/v projections
+    attention_out_bias: bool | None = None  # bias on o_proj; None: same as attention_bias (Qwen2 sets False)
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    is_causal: bool = True  # True: decoder (causal LM); False: bidirectional encoder
+    sliding_window: int | None = None  # decoder: self + (window - 1) previous tokens; encoder: +-window tokens
+    layer_types: list[str] | None = None  # per layer "full_attention" / "sliding_attention"; None: all one kind
+    qk_norm: bool = False  # per-head norm of queries and keys before RoPE (OLMo2/Qwen3 style stabiliser)
+    parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)), as GPT-J/NeoX/PaLM
+
+    # --- heads and embeddings
+    tie_word_embeddings: bool = True
+    classifier_pooling: Literal["first", "mean", "last"] | None = None  # None: "first" (encoder) / "last" (decoder)
+    classifier_dropout: float | None = None  # None: hidden_dropout
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    initializer_range: float = 0.02
+    use_cache: bool = True
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.intermediate_size is None:
+            if self.ffn_type == "glu":  # keeps the parameter count of a 4x MLP (PaLM/Llama convention)
+                self.intermediate_size = 64 * ((8 * self.hidden_size // 3 + 63) // 64)
+            else:
+                self.intermediate_size = 4 * self.hidden_size
+        if self.attention_out_bias is None:
+            self.attention_out_bias = self.attention_bias
+        if self.classifier_pooling is None:
+            self.classifier_pooling = "last" if self.is_causal else "first"
+        if self.layer_types is None:
+            kind = "sliding_attention" if self.sliding_window is not None else "full_attention"
+            self.layer_types = [kind] * self.num_hidden_layers
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        """Raise a `ValueError` naming the knob for every invalid value or combination."""
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "max_position_embeddings",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"`{name}` must be positive, got {getattr(self, name)}.")
+        if self.head_dim is None:
+            raise ValueError(
+                f"`hidden_size` ({self.hidden_size}) is not divisible by `num_attention_heads` "
+                f"({self.num_attention_heads}); set `head_dim` explicitly."
+            )
+        if self.head_dim <= 0 or self.intermediate_size <= 0 or self.num_key_value_heads <= 0:
+            raise ValueError("`head_dim`, `intermediate_size` and `num_key_value_heads` must be positive.")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"`num_attention_heads` ({self.num_attention_heads}) must be divisible by `num_key_value_heads` "
+                f"({self.num_key_value_heads})."
+            )
+        if self.position_embedding_type == "rope" and self.head_dim % 2 != 0:
+            raise ValueError(f"`head_dim` must be even for rotary `position_embedding_type`, got {self.head_dim}.")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"`sliding_window` must be a positive int or None, got {self.sliding_window}.")
+        if len(self.layer_types) != self.num_hidden_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+            raise ValueError(
+                f"`layer_types` must list one of {LAYER_TYPES} per layer ({self.num_hidden_layers}), "
+                f"got {self.layer_types}."
+            )
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("`layer_types` has 'sliding_attention' layers but `sliding_window` is None.")
+        if self.parallel_residual and self.norm_position == "post":
+            raise ValueError(
+                "`parallel_residual` needs `norm_position='pre'` (a post-norm parallel block is undefined)."
+            )
+        if self.type_vocab_size < 0:
+            raise ValueError(f"`type_vocab_size` must be >= 0, got {self.type_vocab_size}.")
+        for name in ("attention_dropout", "hidden_dropout", "classifier_dropout"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value < 1.0:
+                raise ValueError(f"`{name}` must be in [0, 1), got {value}.")
+        if self.norm_eps <= 0:
+            raise ValueError(f"`norm_eps` must be positive, got {self.norm_eps}.")
+        if self.is_causal and self.classifier_pooling == "first":
+            raise ValueError(
+                "`classifier_pooling='first'` sees only the first token in a causal decoder; use 'last' or 'mean'."
+            )
+        self._validate_attn_implementation(self._attn_implementation)
+
+    def _validate_attn_implementation(self, implementation: str | None) -> None:
+        # Flash kernels take no additive bias: ALiBi would be silently dropped.
+        if self.position_embedding_type == "alibi" and implementation and implementation.startswith("flash"):
+            raise ValueError(
+                f"`position_embedding_type='alibi'` cannot run on attn_implementation={implementation!r} "
+                "(flash kernels take no additive bias); use 'sdpa', 'eager' or 'flex_attention'."
+            )
+
+    @property
+    def num_kv_groups(self) -> int:
+        """How many query heads share one key/value head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+
+def _raise_value_errors(init):
+    """Re-raise `@strict`'s field and class validation errors as the `ValueError` users catch for bad configs."""
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        try:
+            init(self, *args, **kwargs)
+        except StrictDataclassError as err:
+            raise ValueError(f"Invalid TfmConfig: {err}") from err
+
+    return wrapper
+
+
+TfmConfig.__init__ = _raise_value_errors(TfmConfig.__init__)
+
+__all__ = ["TfmConfig"]

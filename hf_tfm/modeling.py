@@ -1,0 +1,774 @@
+"""hf_tfm models: one configurable transformer stack (encoder or decoder) with Hugging Face heads.
+
+Every variant is decided in one place: `NORM_CLASSES` picks the norm, `TfmMLP` the feed-forward, `TfmModel.__init__`
+the position scheme, `TfmBlock.forward` the residual layout. Attention goes through transformers' attention interface
+and masks through its masking utilities, so eager, sdpa, flex and flash kernels, KV caches and packing all come from
+transformers. This file imports only torch, transformers and `.configuration`: a saved checkpoint carries it as remote
+code and loads where hf_tfm is not installed.
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.masking_utils import (
+    create_bidirectional_mask,
+    create_bidirectional_sliding_window_mask,
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+    find_packed_sequence_indices,
+    packed_sequence_mask_function,
+)
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    MaskedLMOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration import TfmConfig
+
+logger = logging.get_logger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Norms. The class names contain "LayerNorm"/"RMSNorm" on purpose: transformers' default init recognises them by name.
+
+
+class TfmLayerNorm(nn.LayerNorm):
+    """LayerNorm with an optional bias (`config.norm_bias`)."""
+
+    def __init__(self, hidden_size: int, eps: float, bias: bool = True) -> None:
+        super().__init__(hidden_size, eps=eps, bias=bias)
+
+
+class TfmRMSNorm(nn.Module):
+    """RMSNorm (arXiv:1910.07467), computed in fp32 like Llama's so imported weights match it exactly."""
+
+    def __init__(self, hidden_size: int, eps: float, bias: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+NORM_CLASSES = {"layernorm": TfmLayerNorm, "rmsnorm": TfmRMSNorm}
+
+
+def make_norm(config: TfmConfig, size: int | None = None) -> nn.Module:
+    """The one place that turns `norm_type` into a module."""
+    return NORM_CLASSES[config.norm_type](size or config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Positions. Absolute schemes (learned, sinusoidal) add to the embeddings; RoPE rotates q/k; ALiBi biases the scores.
+# Every computed buffer is non-persistent and rebuilt in `_init_weights`, because `from_pretrained` builds on meta.
+
+
+class TfmRotaryEmbedding(nn.Module):
+    """Rotary embedding (arXiv:2104.09864) in the rotate-half layout, with transformers' RoPE scaling types."""
+
+    def __init__(self, config: TfmConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+        self.rope_type = config.rope_parameters["rope_type"]
+        rope_init_fn: Callable = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = rope_init_fn(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: TfmConfig, device=None, **kwargs) -> tuple[torch.Tensor, float]:
+        base, dim = config.rope_parameters["rope_theta"], config.head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device, torch.float) / dim))
+        return inv_freq, 1.0
+
+    @torch.no_grad()
+    @dynamic_rope_update  # rebuilds inv_freq for the "dynamic" and "longrope" scaling types
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)  # (B, T, D/2), always in fp32
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D): broadcast over heads
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class TfmSinusoidalEmbedding(nn.Module):
+    """Fixed sinusoidal positions ("Attention Is All You Need"), [sin | cos] halves, computed for any position."""
+
+    def __init__(self, config: TfmConfig) -> None:
+        super().__init__()
+        self.dim = config.hidden_size
+        self.inv_freq = nn.Buffer(self.compute_inv_freq(self.dim), persistent=False)
+
+    @staticmethod
+    def compute_inv_freq(dim: int) -> torch.Tensor:
+        return 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        angles = position_ids[..., None].float() * self.inv_freq  # (B, T, ceil(D/2))
+        emb = torch.cat((angles.sin(), angles.cos()), dim=-1)[..., : self.dim]
+        return emb.to(dtype)
+
+
+class TfmAlibi(nn.Module):
+    """ALiBi (arXiv:2108.12409): a per-head linear penalty -slope * |i - j| added to attention scores."""
+
+    def __init__(self, config: TfmConfig) -> None:
+        super().__init__()
+        self.slopes = nn.Buffer(self.compute_slopes(config.num_attention_heads), persistent=False)
+
+    @staticmethod
+    def compute_slopes(num_heads: int) -> torch.Tensor:
+        # Geometric slopes 2^(-8/n * i); for a non-power-of-2 head count, interleave the next power's (as the paper).
+        def power_of_2_slopes(n: int) -> list[float]:
+            start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+            return [start * start**i for i in range(n)]
+
+        closest = 2 ** math.floor(math.log2(num_heads))
+        slopes = power_of_2_slopes(closest)
+        if closest < num_heads:
+            slopes += power_of_2_slopes(2 * closest)[0::2][: num_heads - closest]
+        return torch.tensor(slopes, dtype=torch.float)
+
+    def forward(self, q_positions: torch.Tensor, k_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        distance = (q_positions[:, None] - k_positions[None, :]).abs().float()  # (T, S)
+        return (-self.slopes[:, None, None] * distance).unsqueeze(0).to(dtype)  # (1, H, T, S)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Attention
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, H_kv, S, D) -> (B, H_kv * n_rep, S, D): share each key/value head with its group of query heads."""
+    if n_rep == 1:
+        return hidden_states
+    batch, num_kv_heads, slen, head_dim = hidden_states.shape
+    hidden_states = hidden_states[:, :, None].expand(batch, num_kv_heads, n_rep, slen, head_dim)
+    return hidden_states.reshape(batch, num_kv_heads * n_rep, slen, head_dim)
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    position_bias: torch.Tensor | None = None,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, T, S)
+    if position_bias is not None:
+        scores = scores + position_bias
+    if attention_mask is not None:
+        scores = scores + attention_mask  # additive float mask from masking_utils (min-dtype where masked)
+    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    out = torch.matmul(weights, value).transpose(1, 2).contiguous()  # (B, T, H, D)
+    return out, weights
+
+
+class TfmAttention(nn.Module):
+    """Multi-head / grouped-query self-attention; the kernel comes from transformers' attention interface."""
+
+    def __init__(self, config: TfmConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_kv_groups
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = config.is_causal  # sdpa reads it when the mask is None
+        sliding = config.layer_types[layer_idx] == "sliding_attention"
+        self.sliding_window = config.sliding_window if sliding else None
+
+        q_dim, kv_dim = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.attention_out_bias)
+        self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else nn.Identity()
+        self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else nn.Identity()
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        position_bias: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)  # -1 heads: tensor parallelism shards the head count
+
+        query = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, H, T, D)
+        key = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, H_kv, T, D)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H_kv, T, D)
+
+        if position_embeddings is not None:
+            query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)  # (B, H_kv, S, D) with S = past + T
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        if position_bias is not None:
+            kwargs["position_bias"] = position_bias
+        out, weights = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            sliding_window=self.sliding_window,
+            **kwargs,
+        )
+        return self.o_proj(out.reshape(*input_shape, -1)), weights
+
+
+class TfmMLP(nn.Module):
+    """Feed-forward: `mlp` is down(act(up(x))); `glu` is down(act(gate(x)) * up(x)) (SwiGLU, GeGLU)."""
+
+    def __init__(self, config: TfmConfig) -> None:
+        super().__init__()
+        self.is_glu = config.ffn_type == "glu"
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias) if self.is_glu else None
+        self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_glu:
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+
+class TfmBlock(GradientCheckpointingLayer):
+    """One transformer layer. `norm_position` and `parallel_residual` choose the residual layout, here only."""
+
+    def __init__(self, config: TfmConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.norm_position = config.norm_position
+        self.parallel_residual = config.parallel_residual
+        self.self_attn = TfmAttention(config, layer_idx)
+        self.mlp = TfmMLP(config)
+        self.attn_norm = make_norm(config)  # the norm of the attention sub-layer (before it, or after the residual)
+        self.mlp_norm = make_norm(config)  # the norm of the feed-forward sub-layer
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs
+    ) -> torch.Tensor:
+        x = hidden_states
+        attn = lambda h: self.dropout(self.self_attn(h, attention_mask, **kwargs)[0])  # noqa: E731
+        mlp = lambda h: self.dropout(self.mlp(h))  # noqa: E731
+        if self.parallel_residual:  # GPT-J / NeoX / PaLM: both sub-layers read the same input
+            return x + attn(self.attn_norm(x)) + mlp(self.mlp_norm(x))
+        if self.norm_position == "pre":
+            x = x + attn(self.attn_norm(x))
+            return x + mlp(self.mlp_norm(x))
+        x = self.attn_norm(x + attn(x))  # post-norm (original Transformer, BERT)
+        return self.mlp_norm(x + mlp(x))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Models
+
+
+# Every checkpoint names all heads, so any Auto class can load it with remote code (a new head starts untrained).
+AUTO_MAP = {
+    "AutoConfig": "configuration.TfmConfig",
+    "AutoModel": "modeling.TfmModel",
+    "AutoModelForCausalLM": "modeling.TfmForCausalLM",
+    "AutoModelForSequenceClassification": "modeling.TfmForSequenceClassification",
+    "AutoModelForMaskedLM": "modeling.TfmForMaskedLM",
+    "AutoModelForTokenClassification": "modeling.TfmForTokenClassification",
+}
+
+
+class TfmPreTrainedModel(PreTrainedModel):
+    """Shared class attributes, weight init and checkpoint layout of every hf_tfm model."""
+
+    config: TfmConfig
+    config_class = TfmConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["TfmBlock"]
+    _skip_keys_device_placement = ["cache"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = True
+    _can_record_outputs = {"hidden_states": TfmBlock, "attentions": TfmAttention}
+
+    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+        """`PreTrainedModel.save_pretrained`, with an `auto_map` entry for every hf_tfm head."""
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
+        super().save_pretrained(save_directory, *args, **kwargs)
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, TfmAttention):  # GPT-2 scaled init: keeps the residual stream's variance flat with depth
+            init.normal_(module.o_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
+        elif isinstance(module, TfmMLP):
+            init.normal_(module.down_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
+        elif isinstance(module, TfmSinusoidalEmbedding):
+            init.copy_(module.inv_freq, module.compute_inv_freq(module.dim))
+        elif isinstance(module, TfmAlibi):
+            init.copy_(module.slopes, module.compute_slopes(self.config.num_attention_heads))
+
+
+class TfmModel(TfmPreTrainedModel):
+    """The backbone: embeddings, `num_hidden_layers` blocks and (pre-norm) a final norm. Encoder or decoder."""
+
+    def __init__(self, config: TfmConfig) -> None:
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.embed_positions = None
+        self.rotary_emb = None
+        self.alibi = None
+        if config.position_embedding_type == "learned":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        elif config.position_embedding_type == "sinusoidal":
+            self.embed_positions = TfmSinusoidalEmbedding(config)
+        elif config.position_embedding_type == "rope":
+            self.rotary_emb = TfmRotaryEmbedding(config)
+        else:
+            self.alibi = TfmAlibi(config)
+        self.token_type_embeddings = (
+            nn.Embedding(config.type_vocab_size, config.hidden_size) if config.type_vocab_size > 0 else None
+        )
+        self.embed_norm = make_norm(config) if config.embedding_norm else nn.Identity()
+        self.embed_dropout = nn.Dropout(config.hidden_dropout)
+        self.layers = nn.ModuleList(TfmBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm = make_norm(config) if config.norm_position == "pre" else nn.Identity()
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | dict | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+        config = self.config
+        config._validate_attn_implementation(config._attn_implementation)
+        if use_cache is None:  # an encoder has nothing to decode; training builds no cache (packing relies on it)
+            use_cache = config.use_cache and config.is_causal and not self.training
+        if use_cache and cache is None:
+            cache = DynamicCache(config=config)
+        past_length = cache.get_seq_length() if cache is not None else 0
+
+        if input_ids is not None:
+            self._check_input_ids(input_ids)
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch_size, seq_length = inputs_embeds.shape[:2]
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2:
+            if attention_mask.shape != (batch_size, past_length + seq_length):
+                raise ValueError(
+                    f"`attention_mask` has shape {tuple(attention_mask.shape)} but the inputs need "
+                    f"({batch_size}, {past_length + seq_length}): (batch, cached + new tokens)."
+                )
+            if position_ids is None:  # count real tokens only, so left padding does not shift positions
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq_length:]
+        if position_ids is None:
+            position_ids = torch.arange(past_length, past_length + seq_length, device=inputs_embeds.device)[None]
+
+        hidden_states = inputs_embeds
+        if self.embed_positions is not None:
+            hidden_states = hidden_states + self._absolute_positions(position_ids, inputs_embeds.dtype)
+        if self.token_type_embeddings is not None:
+            if token_type_ids is None:
+                token_type_ids = torch.zeros_like(position_ids)
+            hidden_states = hidden_states + self.token_type_embeddings(token_type_ids)
+        hidden_states = self.embed_dropout(self.embed_norm(hidden_states))
+
+        masks = attention_mask
+        if not isinstance(masks, dict):  # generate() may pass masks already built per layer type
+            masks = self._build_masks(inputs_embeds, attention_mask, cache, position_ids)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
+        biases = self._alibi_biases(seq_length, cache, inputs_embeds.dtype) if self.alibi is not None else {}
+
+        for layer, layer_type in zip(self.layers, config.layer_types):
+            hidden_states = layer(
+                hidden_states,
+                masks[layer_type],
+                position_embeddings=position_embeddings,
+                position_bias=biases.get(layer_type),
+                cache=cache,
+                **kwargs,
+            )
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
+
+    def _check_input_ids(self, input_ids: torch.Tensor) -> None:
+        if torch.compiler.is_compiling() or input_ids.numel() == 0:
+            return
+        low, high = torch.aminmax(input_ids)
+        if low < 0 or high >= self.config.vocab_size:
+            raise ValueError(
+                f"`input_ids` must lie in [0, {self.config.vocab_size}) (vocab_size), got values in "
+                f"[{int(low)}, {int(high)}]."
+            )
+
+    def _absolute_positions(self, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(self.embed_positions, nn.Embedding) and not torch.compiler.is_compiling():
+            limit = self.config.max_position_embeddings
+            if int(position_ids.max()) >= limit:
+                raise ValueError(
+                    f"Position {int(position_ids.max())} is out of range for learned positions: "
+                    f"max_position_embeddings={limit}. Shorten the input or use rope/alibi/sinusoidal positions."
+                )
+        if isinstance(self.embed_positions, nn.Embedding):
+            return self.embed_positions(position_ids)
+        return self.embed_positions(position_ids, dtype)
+
+    def _build_masks(
+        self,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: Cache | None,
+        position_ids: torch.Tensor,
+    ) -> dict[str, torch.Tensor | None]:
+        """One mask per layer type, from transformers' masking utilities (bool, float, BlockMask or None)."""
+        kinds = set(self.config.layer_types)
+        masks = {}
+        if self.config.is_causal:  # padding, packing (position_ids restarts) and the cache offset are handled inside
+            kwargs = {
+                "config": self.config,
+                "inputs_embeds": inputs_embeds,
+                "attention_mask": attention_mask,
+                "cache": cache,
+                "position_ids": position_ids,
+            }
+            if "full_attention" in kinds:
+                masks["full_attention"] = create_causal_mask(**kwargs)
+            if "sliding_attention" in kinds:
+                masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+            return masks
+        kwargs = {"config": self.config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask}
+        if attention_mask is None and position_ids.shape[0] == 1 and inputs_embeds.shape[0] == 1:
+            # Padding-free packing: keep each packed sequence to itself (the causal path does this on its own).
+            packed = find_packed_sequence_indices(position_ids)
+            if packed is not None:
+                kwargs["and_mask_function"] = packed_sequence_mask_function(packed)
+        if "full_attention" in kinds:
+            masks["full_attention"] = create_bidirectional_mask(**kwargs)
+        if "sliding_attention" in kinds:
+            masks["sliding_attention"] = create_bidirectional_sliding_window_mask(**kwargs)
+        return masks
+
+    def _alibi_biases(self, seq_length: int, cache: Cache | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """ALiBi bias per layer type, on the same absolute query/key indices the masks use (cache offsets included)."""
+        biases = {}
+        device = self.alibi.slopes.device
+        for layer_type in set(self.config.layer_types):
+            q_offset, kv_length, kv_offset = 0, seq_length, 0
+            if cache is not None:
+                layer_idx = self.config.layer_types.index(layer_type)
+                q_offset = cache.get_query_offset(layer_idx)
+                kv_length, kv_offset = cache.get_mask_sizes(seq_length, layer_idx)
+            q_positions = torch.arange(seq_length, device=device) + q_offset
+            k_positions = torch.arange(kv_length, device=device) + kv_offset
+            biases[layer_type] = self.alibi(q_positions, k_positions, dtype)
+        return biases
+
+
+class TfmForCausalLM(TfmPreTrainedModel, GenerationMixin):
+    """Decoder language model: the backbone plus `lm_head` (tied to `embed_tokens` when `tie_word_embeddings`)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _fsdp_plan = {"lm_head": "keep_full_weight"}
+
+    def __init__(self, config: TfmConfig) -> None:
+        super().__init__(config)
+        if not config.is_causal:
+            logger.warning("TfmForCausalLM built with `is_causal=False`: every token will see the future.")
+        self.model = TfmModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+def pool(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, how: str, pad_mask: torch.Tensor | None):
+    """(B, T, C) -> (B, C): the first token, the mean of real tokens, or the last real token (left or right padded)."""
+    if how == "first":
+        return hidden_states[:, 0]
+    real = attention_mask if attention_mask is not None else pad_mask
+    if real is None:
+        return hidden_states[:, -1] if how == "last" else hidden_states.mean(dim=1)
+    real = real.to(hidden_states.device, hidden_states.dtype)
+    if how == "mean":
+        return (hidden_states * real[..., None]).sum(1) / real.sum(1, keepdim=True).clamp(min=1.0)
+    positions = torch.arange(real.shape[1], device=real.device, dtype=real.dtype)
+    last = (positions * real).argmax(-1)  # the rightmost real token, wherever the padding sits
+    return hidden_states[torch.arange(hidden_states.shape[0], device=hidden_states.device), last]
+
+
+class TfmForSequenceClassification(TfmPreTrainedModel):
+    """Sequence classifier / regressor: pooled backbone output -> dropout -> `score`."""
+
+    def __init__(self, config: TfmConfig) -> None:
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = TfmModel(config)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout
+        self.dropout = nn.Dropout(dropout)
+        self.score = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> SequenceClassifierOutput:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            token_type_ids=token_type_ids,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        pad_mask = None
+        if attention_mask is None and input_ids is not None and self.config.pad_token_id is not None:
+            pad_mask = input_ids != self.config.pad_token_id
+        mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 else None
+        pooled = pool(outputs.last_hidden_state, mask, self.config.classifier_pooling, pad_mask)
+        logits = self.score(self.dropout(pooled))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(labels=labels, pooled_logits=logits, config=self.config)
+        return SequenceClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+class TfmForTokenClassification(TfmPreTrainedModel):
+    """Per-token classifier (NER, tagging): backbone -> dropout -> `score`."""
+
+    def __init__(self, config: TfmConfig) -> None:
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = TfmModel(config)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout
+        self.dropout = nn.Dropout(dropout)
+        self.score = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> TokenClassifierOutput:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            token_type_ids=token_type_ids,
+            use_cache=False,
+            **kwargs,
+        )
+        logits = self.score(self.dropout(outputs.last_hidden_state))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.config)
+        return TokenClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+class TfmPredictionHead(nn.Module):
+    """The masked-LM transform before the vocabulary projection: dense -> activation -> norm (BERT, ModernBERT)."""
+
+    def __init__(self, config: TfmConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act = ACT2FN["gelu" if config.ffn_type == "glu" else config.hidden_act]
+        self.norm = make_norm(config)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.act(self.dense(hidden_states)))
+
+
+class TfmForMaskedLM(TfmPreTrainedModel):
+    """Masked language model: backbone -> prediction head -> `lm_head` (tied to `embed_tokens`, with a bias)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: TfmConfig) -> None:
+        super().__init__(config)
+        if config.is_causal:
+            logger.warning("TfmForMaskedLM built with `is_causal=True`: masked tokens cannot see their right context.")
+        self.model = TfmModel(config)
+        self.head = TfmPredictionHead(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MaskedLMOutput:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            token_type_ids=token_type_ids,
+            use_cache=False,
+            **kwargs,
+        )
+        logits = self.lm_head(self.head(outputs.last_hidden_state))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+        return MaskedLMOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+__all__ = [
+    "TfmForCausalLM",
+    "TfmForMaskedLM",
+    "TfmForSequenceClassification",
+    "TfmForTokenClassification",
+    "TfmModel",
+    "TfmPreTrainedModel",
+]
