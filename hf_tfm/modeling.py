@@ -44,7 +44,7 @@ from .configuration import TfmConfig
 logger = logging.get_logger(__name__)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Norms. The class names contain "LayerNorm"/"RMSNorm" on purpose: transformers' default init recognises them by name.
 
 
@@ -82,7 +82,7 @@ def make_norm(config: TfmConfig, size: int | None = None) -> nn.Module:
     return NORM_CLASSES[config.norm_type](size or config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Positions. Absolute schemes (learned, sinusoidal) add to the embeddings; RoPE rotates q/k; ALiBi biases the scores.
 # Every computed buffer is non-persistent and rebuilt in `_init_weights`, because `from_pretrained` builds on meta.
 
@@ -172,7 +172,7 @@ class TfmAlibi(nn.Module):
         return (-self.slopes[:, None, None] * distance).unsqueeze(0).to(dtype)  # (1, H, T, S)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Attention
 
 
@@ -317,7 +317,7 @@ class TfmBlock(GradientCheckpointingLayer):
         return self.mlp_norm(x + mlp(x))
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Models
 
 
@@ -453,7 +453,7 @@ class TfmModel(TfmPreTrainedModel):
         position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
         biases = self._alibi_biases(seq_length, cache, inputs_embeds.dtype) if self.alibi is not None else {}
 
-        for layer, layer_type in zip(self.layers, config.layer_types):
+        for layer, layer_type in zip(self.layers, config.layer_types, strict=True):
             hidden_states = layer(
                 hidden_states,
                 masks[layer_type],
