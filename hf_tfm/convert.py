@@ -1,0 +1,754 @@
+"""Exact-parity conversion between hf_tfm and transformers' in-tree model families.
+
+`from_hf(model_or_path)` turns an in-tree Llama, Mistral, Qwen2, GPT-2 or BERT model (object or saved folder) into the
+hf_tfm model with the same architecture and weights; `to_hf(model)` writes the in-tree class back whenever the config
+is expressible by one, and otherwise raises a `ValueError` naming every knob that blocks it. `convert_path(src, dst)`
+does either on saved folders, picking the direction from the source's `model_type`.
+
+Each family is three small tables: how its config maps onto `TfmConfig` knobs, which knob values it needs on the way
+back, and how its weight names map onto hf_tfm's (with GPT-2's Conv1D transpose and fused q/k/v as the only
+reshaping). The weights are moved with a strict `load_state_dict`, so a tensor nobody mapped is an error, not a
+silently random weight.
+"""
+
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import (
+    AutoConfig,
+    BertConfig,
+    BertForMaskedLM,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+    BertModel,
+    GenerationConfig,
+    GPT2Config,
+    GPT2ForSequenceClassification,
+    GPT2ForTokenClassification,
+    GPT2LMHeadModel,
+    GPT2Model,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    LlamaForTokenClassification,
+    LlamaModel,
+    MistralConfig,
+    MistralForCausalLM,
+    MistralForSequenceClassification,
+    MistralForTokenClassification,
+    MistralModel,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2ForSequenceClassification,
+    Qwen2ForTokenClassification,
+    Qwen2Model,
+)
+from transformers.utils import logging
+
+from . import modeling
+from .configuration import TfmConfig
+from .modeling import (
+    TfmForCausalLM,
+    TfmForMaskedLM,
+    TfmForSequenceClassification,
+    TfmForTokenClassification,
+    TfmModel,
+    TfmPreTrainedModel,
+)
+
+logger = logging.get_logger(__name__)
+
+HEADS = ("base", "causal_lm", "sequence_classification", "token_classification", "masked_lm")
+TFM_CLASSES = {
+    "base": TfmModel,
+    "causal_lm": TfmForCausalLM,
+    "sequence_classification": TfmForSequenceClassification,
+    "token_classification": TfmForTokenClassification,
+    "masked_lm": TfmForMaskedLM,
+}
+IN_TREE_DEFAULT_CLASSIFIER_DROPOUT = 0.1  # GenericForTokenClassification / GPT-2's fallback when the config has none
+# Config fields every head carries unchanged in both directions (labels, problem type).
+CARRIED_FIELDS = ("id2label", "label2id", "problem_type")
+
+
+def _head_of(model: torch.nn.Module) -> str:
+    for head, cls in TFM_CLASSES.items():
+        if type(model) is cls:
+            return head
+    for family in FAMILIES.values():
+        for head, cls in family.classes.items():
+            if type(model) is cls:
+                return head
+    raise ValueError(f"No conversion for {type(model).__name__}.")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Weight-name rules. A template like "layers.{i}.attn_norm.{p}" matches a key with a layer index and weight/bias; the
+# same rule read right-to-left maps the other way. `transpose` marks GPT-2's Conv1D weights ((in, out) layout).
+
+
+@dataclass(frozen=True)
+class Rule:
+    tfm: str
+    hf: str
+    transpose: bool = False
+
+
+def _regex(template: str) -> re.Pattern:
+    pattern = re.escape(template)
+    for name, group in (("i", r"\d+"), ("p", r"weight|bias"), ("n", r"[a-z_]+")):
+        pattern = pattern.replace(re.escape("{" + name + "}"), f"(?P<{name}>{group})")
+    return re.compile(pattern)
+
+
+def _rename(key: str, rules: list[Rule], to_hf: bool) -> tuple[str, bool] | None:
+    for rule in rules:
+        src, dst = (rule.tfm, rule.hf) if to_hf else (rule.hf, rule.tfm)
+        match = _regex(src).fullmatch(key)
+        if match:
+            return dst.format(**match.groupdict()), rule.transpose and match.groupdict().get("p") == "weight"
+    return None
+
+
+def _prefixed(rules: list[Rule], tfm_prefix: str, hf_prefix: str) -> list[Rule]:
+    return [Rule(tfm_prefix + r.tfm, hf_prefix + r.hf, r.transpose) for r in rules]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Families
+
+
+@dataclass
+class Family:
+    name: str
+    config_class: type
+    classes: dict[str, type]  # head -> in-tree class
+    hf_prefix: str  # the in-tree base model's attribute inside its heads ("model.", "transformer.", "bert.")
+    base_rules: list[Rule]
+    head_rules: dict[str, list[Rule]]
+    config_from_hf: Callable  # (hf_config, head) -> TfmConfig kwargs
+    blockers: Callable  # (TfmConfig, head) -> list of "knob=value (needs ...)"
+    config_to_hf: Callable  # (TfmConfig, head) -> in-tree config kwargs
+    ignore_from_hf: tuple[str, ...] = ()  # in-tree keys with no hf_tfm counterpart (dropped with a warning)
+    hf_aliases: dict[str, str] = field(default_factory=dict)  # in-tree key -> the key it must equal (tied copies)
+
+    def rules(self, head: str) -> list[Rule]:
+        if head == "base":
+            return self.base_rules + self.head_rules.get("base", [])
+        return _prefixed(self.base_rules, "model.", self.hf_prefix) + self.head_rules.get(head, [])
+
+
+def _need(config: TfmConfig, out: list[str], family: str, knob: str, expected, why: str | None = None) -> None:
+    """Append a blocker message when `config.<knob>` differs from `expected` (a value or a predicate)."""
+    value = getattr(config, knob)
+    ok = expected(value) if callable(expected) else value == expected
+    if not ok:
+        needs = why or f"{expected!r}"
+        out.append(f"`{knob}`={value!r} ({family} needs {needs})")
+
+
+def _common_blockers(config: TfmConfig, family: str, out: list[str]) -> None:
+    _need(config, out, family, "qk_norm", False)
+    _need(config, out, family, "parallel_residual", False)
+    if family in ("llama", "mistral", "qwen2"):  # no dropout outside attention in these blocks
+        _need(config, out, family, "hidden_dropout", 0.0)
+
+
+def _classifier_blockers(config: TfmConfig, head: str, family: str, out: list[str], pooling: str, bias: bool) -> None:
+    if head == "sequence_classification":
+        _need(config, out, family, "classifier_pooling", pooling)
+        _need(config, out, family, "classifier_bias", bias)
+        dense = family == "bert"
+        _need(config, out, family, "classifier_dense", dense)
+        if dense:
+            _need(config, out, family, "classifier_activation", "tanh")
+            _need(config, out, family, "classifier_norm", False)
+    if head == "token_classification":
+        _need(config, out, family, "classifier_bias", True)
+
+
+def _sizes(c) -> dict:
+    return {
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "max_position_embeddings": c.max_position_embeddings,
+        "initializer_range": c.initializer_range,
+        "pad_token_id": c.pad_token_id,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_id,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "use_cache": c.use_cache,
+    }
+
+
+def _token_dropout_to_hf(config: TfmConfig, head: str) -> dict:
+    """Only the token classifier of Llama-like / GPT-2 models reads a (non-field) `classifier_dropout`."""
+    if head != "token_classification":
+        return {}
+    p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout
+    return {} if p == IN_TREE_DEFAULT_CLASSIFIER_DROPOUT else {"classifier_dropout": p}
+
+
+# --- Llama, Mistral, Qwen2: one block (RoPE, RMSNorm, SwiGLU, pre-norm, GQA); they differ in biases and windows.
+
+LLAMA_BASE_RULES = [
+    Rule("embed_tokens.{p}", "embed_tokens.{p}"),
+    Rule("layers.{i}.self_attn.{n}.{p}", "layers.{i}.self_attn.{n}.{p}"),
+    Rule("layers.{i}.mlp.{n}.{p}", "layers.{i}.mlp.{n}.{p}"),
+    Rule("layers.{i}.attn_norm.{p}", "layers.{i}.input_layernorm.{p}"),
+    Rule("layers.{i}.mlp_norm.{p}", "layers.{i}.post_attention_layernorm.{p}"),
+    Rule("norm.{p}", "norm.{p}"),
+]
+LLAMA_HEAD_RULES = {
+    "causal_lm": [Rule("lm_head.{p}", "lm_head.{p}")],
+    "sequence_classification": [Rule("score.{p}", "score.{p}")],
+    "token_classification": [Rule("score.{p}", "score.{p}")],
+}
+
+
+def _llama_like_from_hf(c, head: str, name: str) -> dict:
+    kwargs = _sizes(c)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kwargs.update(
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=head_dim,
+        intermediate_size=c.intermediate_size,
+        position_embedding_type="rope",
+        rope_parameters=dict(c.rope_parameters),
+        norm_type="rmsnorm",
+        norm_eps=c.rms_norm_eps,
+        norm_position="pre",
+        ffn_type="glu",
+        hidden_act=c.hidden_act,
+        attention_dropout=float(c.attention_dropout),
+        hidden_dropout=0.0,
+        is_causal=True,
+        classifier_pooling="last",
+        classifier_bias=head == "token_classification",
+        classifier_dropout=getattr(c, "classifier_dropout", None),
+    )
+    if head == "token_classification" and kwargs["classifier_dropout"] is None:
+        kwargs["classifier_dropout"] = IN_TREE_DEFAULT_CLASSIFIER_DROPOUT
+    if name == "llama":
+        kwargs.update(attention_bias=c.attention_bias, attention_out_bias=c.attention_bias, mlp_bias=c.mlp_bias)
+    elif name == "mistral":
+        kwargs.update(attention_bias=False, mlp_bias=False, sliding_window=c.sliding_window)
+    else:  # qwen2: q/k/v bias, none on o_proj; per-layer full / sliding attention
+        window = c.sliding_window
+        layer_types = list(c.layer_types) if window is not None else None
+        if layer_types is not None and "sliding_attention" not in layer_types:
+            window = None
+        kwargs.update(
+            attention_bias=True,
+            attention_out_bias=False,
+            mlp_bias=False,
+            sliding_window=window,
+            layer_types=layer_types,
+        )
+    return kwargs
+
+
+def _llama_like_blockers(config: TfmConfig, head: str, name: str) -> list[str]:
+    out: list[str] = []
+    _need(config, out, name, "is_causal", True)
+    _need(config, out, name, "position_embedding_type", "rope")
+    _need(config, out, name, "norm_type", "rmsnorm")
+    _need(config, out, name, "norm_position", "pre")
+    _need(config, out, name, "ffn_type", "glu")
+    _need(config, out, name, "embedding_norm", False)
+    _need(config, out, name, "type_vocab_size", 0)
+    _common_blockers(config, name, out)
+    sliding = set(config.layer_types)
+    if name == "llama":
+        _need(config, out, name, "attention_out_bias", config.attention_bias, "the same value as `attention_bias`")
+        _need(config, out, name, "layer_types", lambda v: sliding == {"full_attention"}, "only 'full_attention'")
+    elif name == "mistral":
+        _need(config, out, name, "attention_bias", False)
+        _need(config, out, name, "attention_out_bias", False)
+        _need(config, out, name, "mlp_bias", False)
+        _need(config, out, name, "layer_types", lambda v: sliding == {"sliding_attention"}, "only sliding layers")
+    else:
+        _need(config, out, name, "attention_bias", True)
+        _need(config, out, name, "attention_out_bias", False)
+        _need(config, out, name, "mlp_bias", False)
+        _need(config, out, name, "head_dim", config.hidden_size // config.num_attention_heads)
+    if head == "masked_lm":
+        out.append(f"head `masked_lm` ({name} has no masked-LM class)")
+    _classifier_blockers(config, head, name, out, pooling="last", bias=False)
+    return out
+
+
+def _llama_like_to_hf(config: TfmConfig, head: str, name: str) -> dict:
+    kwargs = _sizes(config)
+    kwargs.update(
+        num_key_value_heads=config.num_key_value_heads,
+        intermediate_size=config.intermediate_size,
+        hidden_act=config.hidden_act,
+        rms_norm_eps=config.norm_eps,
+        rope_parameters=dict(config.rope_parameters),
+        attention_dropout=config.attention_dropout,
+        **_token_dropout_to_hf(config, head),
+    )
+    if name == "llama":
+        kwargs.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias, head_dim=config.head_dim)
+    elif name == "mistral":
+        kwargs.update(sliding_window=config.sliding_window, head_dim=config.head_dim)
+    else:
+        sliding = [i for i, t in enumerate(config.layer_types) if t == "sliding_attention"]
+        if sliding:
+            kwargs.update(
+                use_sliding_window=True,
+                sliding_window=config.sliding_window,
+                max_window_layers=sliding[0],
+                layer_types=list(config.layer_types),
+            )
+    return kwargs
+
+
+def _llama_like(name: str, config_class, classes) -> Family:
+    return Family(
+        name=name,
+        config_class=config_class,
+        classes=dict(
+            zip(("base", "causal_lm", "sequence_classification", "token_classification"), classes, strict=True)
+        ),
+        hf_prefix="model.",
+        base_rules=LLAMA_BASE_RULES,
+        head_rules=LLAMA_HEAD_RULES,
+        config_from_hf=lambda c, head: _llama_like_from_hf(c, head, name),
+        blockers=lambda c, head: _llama_like_blockers(c, head, name),
+        config_to_hf=lambda c, head: _llama_like_to_hf(c, head, name),
+    )
+
+
+# --- GPT-2: learned positions, LayerNorm with bias, GELU MLP, biases everywhere, Conv1D (in, out) weights, fused qkv.
+
+GPT2_BASE_RULES = [
+    Rule("embed_tokens.weight", "wte.weight"),
+    Rule("embed_positions.weight", "wpe.weight"),
+    Rule("layers.{i}.attn_norm.{p}", "h.{i}.ln_1.{p}"),
+    Rule("layers.{i}.mlp_norm.{p}", "h.{i}.ln_2.{p}"),
+    Rule("layers.{i}.self_attn.o_proj.{p}", "h.{i}.attn.c_proj.{p}", transpose=True),
+    Rule("layers.{i}.self_attn.{n}.{p}", "h.{i}.attn.{n}.{p}", transpose=True),  # q/k/v: fused below
+    Rule("layers.{i}.mlp.up_proj.{p}", "h.{i}.mlp.c_fc.{p}", transpose=True),
+    Rule("layers.{i}.mlp.down_proj.{p}", "h.{i}.mlp.c_proj.{p}", transpose=True),
+    Rule("norm.{p}", "ln_f.{p}"),
+]
+GPT2_HEAD_RULES = {
+    "causal_lm": [Rule("lm_head.{p}", "lm_head.{p}")],
+    "sequence_classification": [Rule("score.{p}", "score.{p}")],
+    "token_classification": [Rule("score.{p}", "classifier.{p}")],
+}
+_C_ATTN = re.compile(r"(?P<pre>.*h\.\d+\.attn\.)c_attn\.(?P<p>weight|bias)")
+_QKV = re.compile(r"(?P<pre>.*h\.\d+\.attn\.)(?P<n>q_proj|k_proj|v_proj)\.(?P<p>weight|bias)")
+
+
+def _split_c_attn(state: dict) -> dict:
+    """GPT-2's fused c_attn (Conv1D: weight (in, 3*out), bias (3*out)) -> per-projection q/k/v entries, same layout."""
+    out = {}
+    for key, value in state.items():
+        match = _C_ATTN.fullmatch(key)
+        if not match:
+            out[key] = value
+            continue
+        dim = 1 if match["p"] == "weight" else 0
+        for name, part in zip(("q_proj", "k_proj", "v_proj"), value.chunk(3, dim=dim), strict=True):
+            out[f"{match['pre']}{name}.{match['p']}"] = part
+    return out
+
+
+def _fuse_c_attn(state: dict) -> dict:
+    out, parts = {}, {}
+    for key, value in state.items():
+        match = _QKV.fullmatch(key)
+        if match:
+            parts.setdefault((match["pre"], match["p"]), {})[match["n"]] = value
+        else:
+            out[key] = value
+    for (pre, p), qkv in parts.items():
+        dim = 1 if p == "weight" else 0
+        out[f"{pre}c_attn.{p}"] = torch.cat([qkv["q_proj"], qkv["k_proj"], qkv["v_proj"]], dim=dim)
+    return out
+
+
+def _gpt2_from_hf(c, head: str) -> dict:
+    for knob, ok in (
+        ("scale_attn_weights", c.scale_attn_weights),
+        ("scale_attn_by_inverse_layer_idx", not c.scale_attn_by_inverse_layer_idx),
+        ("add_cross_attention", not c.add_cross_attention),
+    ):
+        if not ok:
+            raise ValueError(f"GPT-2 with `{knob}={getattr(c, knob)}` has no hf_tfm equivalent.")
+    if c.embd_pdrop != c.resid_pdrop:
+        logger.warning("GPT-2 embd_pdrop != resid_pdrop: hf_tfm uses resid_pdrop for both (`hidden_dropout`).")
+    kwargs = _sizes(c)
+    kwargs.update(
+        intermediate_size=c.n_inner or 4 * c.hidden_size,
+        position_embedding_type="learned",
+        norm_type="layernorm",
+        norm_bias=True,
+        norm_eps=c.layer_norm_epsilon,
+        norm_position="pre",
+        ffn_type="mlp",
+        hidden_act=c.activation_function,
+        mlp_bias=True,
+        attention_bias=True,
+        attention_out_bias=True,
+        attention_dropout=float(c.attn_pdrop),
+        hidden_dropout=float(c.resid_pdrop),
+        is_causal=True,
+        classifier_pooling="last",
+        classifier_bias=head == "token_classification",
+        classifier_dropout=getattr(c, "classifier_dropout", None),
+    )
+    if head == "token_classification" and kwargs["classifier_dropout"] is None:
+        kwargs["classifier_dropout"] = IN_TREE_DEFAULT_CLASSIFIER_DROPOUT
+    return kwargs
+
+
+def _gpt2_blockers(config: TfmConfig, head: str) -> list[str]:
+    out: list[str] = []
+    name = "gpt2"
+    _need(config, out, name, "is_causal", True)
+    _need(config, out, name, "position_embedding_type", "learned")
+    _need(config, out, name, "norm_type", "layernorm")
+    _need(config, out, name, "norm_bias", True)
+    _need(config, out, name, "norm_position", "pre")
+    _need(config, out, name, "ffn_type", "mlp")
+    _need(config, out, name, "mlp_bias", True)
+    _need(config, out, name, "attention_bias", True)
+    _need(config, out, name, "attention_out_bias", True)
+    _need(config, out, name, "num_key_value_heads", config.num_attention_heads, "`num_attention_heads` (no GQA)")
+    _need(config, out, name, "head_dim", config.hidden_size // config.num_attention_heads, "hidden/heads")
+    _need(config, out, name, "layer_types", lambda v: set(v) == {"full_attention"}, "only 'full_attention'")
+    _need(config, out, name, "embedding_norm", False)
+    _need(config, out, name, "type_vocab_size", 0)
+    _common_blockers(config, name, out)
+    if head == "masked_lm":
+        out.append("head `masked_lm` (gpt2 has no masked-LM class)")
+    _classifier_blockers(config, head, name, out, pooling="last", bias=False)
+    return out
+
+
+def _gpt2_to_hf(config: TfmConfig, head: str) -> dict:
+    kwargs = _sizes(config)
+    for ours, theirs in (
+        ("hidden_size", "n_embd"),
+        ("num_hidden_layers", "n_layer"),
+        ("num_attention_heads", "n_head"),
+        ("max_position_embeddings", "n_positions"),
+    ):
+        kwargs[theirs] = kwargs.pop(ours)
+    kwargs.update(
+        n_inner=None if config.intermediate_size == 4 * config.hidden_size else config.intermediate_size,
+        activation_function=config.hidden_act,
+        resid_pdrop=config.hidden_dropout,
+        embd_pdrop=config.hidden_dropout,
+        attn_pdrop=config.attention_dropout,
+        layer_norm_epsilon=config.norm_eps,
+        **_token_dropout_to_hf(config, head),
+    )
+    return kwargs
+
+
+# --- BERT: post-norm, embedding LayerNorm, token types, learned positions, pooler (dense + tanh), MLM transform.
+
+BERT_BASE_RULES = [
+    Rule("embed_tokens.weight", "embeddings.word_embeddings.weight"),
+    Rule("embed_positions.weight", "embeddings.position_embeddings.weight"),
+    Rule("token_type_embeddings.weight", "embeddings.token_type_embeddings.weight"),
+    Rule("embed_norm.{p}", "embeddings.LayerNorm.{p}"),
+    Rule("layers.{i}.self_attn.q_proj.{p}", "encoder.layer.{i}.attention.self.query.{p}"),
+    Rule("layers.{i}.self_attn.k_proj.{p}", "encoder.layer.{i}.attention.self.key.{p}"),
+    Rule("layers.{i}.self_attn.v_proj.{p}", "encoder.layer.{i}.attention.self.value.{p}"),
+    Rule("layers.{i}.self_attn.o_proj.{p}", "encoder.layer.{i}.attention.output.dense.{p}"),
+    Rule("layers.{i}.attn_norm.{p}", "encoder.layer.{i}.attention.output.LayerNorm.{p}"),
+    Rule("layers.{i}.mlp.up_proj.{p}", "encoder.layer.{i}.intermediate.dense.{p}"),
+    Rule("layers.{i}.mlp.down_proj.{p}", "encoder.layer.{i}.output.dense.{p}"),
+    Rule("layers.{i}.mlp_norm.{p}", "encoder.layer.{i}.output.LayerNorm.{p}"),
+]
+BERT_HEAD_RULES = {
+    "sequence_classification": [Rule("head.dense.{p}", "bert.pooler.dense.{p}"), Rule("score.{p}", "classifier.{p}")],
+    "token_classification": [Rule("score.{p}", "classifier.{p}")],
+    "masked_lm": [
+        Rule("head.dense.{p}", "cls.predictions.transform.dense.{p}"),
+        Rule("head.norm.{p}", "cls.predictions.transform.LayerNorm.{p}"),
+        Rule("lm_head.{p}", "cls.predictions.decoder.{p}"),
+    ],
+}
+
+
+def _bert_from_hf(c, head: str) -> dict:
+    for knob in ("is_decoder", "add_cross_attention"):
+        if getattr(c, knob, False):
+            raise ValueError(f"BERT with `{knob}=True` has no hf_tfm equivalent (hf_tfm imports BERT encoders).")
+    kwargs = _sizes(c)
+    kwargs.update(
+        intermediate_size=c.intermediate_size,
+        position_embedding_type="learned",
+        type_vocab_size=c.type_vocab_size,
+        norm_type="layernorm",
+        norm_bias=True,
+        norm_eps=c.layer_norm_eps,
+        norm_position="post",
+        embedding_norm=True,
+        ffn_type="mlp",
+        hidden_act=c.hidden_act,
+        mlp_bias=True,
+        attention_bias=True,
+        attention_out_bias=True,
+        attention_dropout=float(c.attention_probs_dropout_prob),
+        hidden_dropout=float(c.hidden_dropout_prob),
+        is_causal=False,
+        classifier_pooling="first",
+        classifier_dense=True,
+        classifier_activation="tanh",
+        classifier_bias=True,
+        classifier_dropout=c.classifier_dropout,
+    )
+    return kwargs
+
+
+def _bert_blockers(config: TfmConfig, head: str) -> list[str]:
+    out: list[str] = []
+    name = "bert"
+    _need(config, out, name, "is_causal", False)
+    _need(config, out, name, "position_embedding_type", "learned")
+    _need(config, out, name, "type_vocab_size", lambda v: v > 0, "> 0 (BERT always has token type embeddings)")
+    _need(config, out, name, "norm_type", "layernorm")
+    _need(config, out, name, "norm_bias", True)
+    _need(config, out, name, "norm_position", "post")
+    _need(config, out, name, "embedding_norm", True)
+    _need(config, out, name, "ffn_type", "mlp")
+    _need(config, out, name, "mlp_bias", True)
+    _need(config, out, name, "attention_bias", True)
+    _need(config, out, name, "attention_out_bias", True)
+    _need(config, out, name, "num_key_value_heads", config.num_attention_heads, "`num_attention_heads` (no GQA)")
+    _need(config, out, name, "head_dim", config.hidden_size // config.num_attention_heads, "hidden/heads")
+    _need(config, out, name, "layer_types", lambda v: set(v) == {"full_attention"}, "only 'full_attention'")
+    _common_blockers(config, name, out)
+    if head == "causal_lm":
+        out.append("head `causal_lm` (hf_tfm exports BERT encoders only)")
+    _classifier_blockers(config, head, name, out, pooling="first", bias=True)
+    return out
+
+
+def _bert_to_hf(config: TfmConfig, head: str) -> dict:
+    kwargs = _sizes(config)
+    kwargs.update(
+        intermediate_size=config.intermediate_size,
+        hidden_act=config.hidden_act,
+        hidden_dropout_prob=config.hidden_dropout,
+        attention_probs_dropout_prob=config.attention_dropout,
+        type_vocab_size=config.type_vocab_size,
+        layer_norm_eps=config.norm_eps,
+        classifier_dropout=config.classifier_dropout,
+    )
+    return kwargs
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": _llama_like(
+        "llama",
+        LlamaConfig,
+        (LlamaModel, LlamaForCausalLM, LlamaForSequenceClassification, LlamaForTokenClassification),
+    ),
+    "mistral": _llama_like(
+        "mistral",
+        MistralConfig,
+        (MistralModel, MistralForCausalLM, MistralForSequenceClassification, MistralForTokenClassification),
+    ),
+    "qwen2": _llama_like(
+        "qwen2",
+        Qwen2Config,
+        (Qwen2Model, Qwen2ForCausalLM, Qwen2ForSequenceClassification, Qwen2ForTokenClassification),
+    ),
+    "gpt2": Family(
+        name="gpt2",
+        config_class=GPT2Config,
+        classes={
+            "base": GPT2Model,
+            "causal_lm": GPT2LMHeadModel,
+            "sequence_classification": GPT2ForSequenceClassification,
+            "token_classification": GPT2ForTokenClassification,
+        },
+        hf_prefix="transformer.",
+        base_rules=GPT2_BASE_RULES,
+        head_rules=GPT2_HEAD_RULES,
+        config_from_hf=_gpt2_from_hf,
+        blockers=_gpt2_blockers,
+        config_to_hf=_gpt2_to_hf,
+    ),
+    "bert": Family(
+        name="bert",
+        config_class=BertConfig,
+        classes={
+            "base": BertModel,
+            "sequence_classification": BertForSequenceClassification,
+            "token_classification": BertForTokenClassification,
+            "masked_lm": BertForMaskedLM,
+        },
+        hf_prefix="bert.",
+        base_rules=BERT_BASE_RULES,
+        head_rules=BERT_HEAD_RULES,
+        config_from_hf=_bert_from_hf,
+        blockers=_bert_blockers,
+        config_to_hf=_bert_to_hf,
+        ignore_from_hf=(r"(bert\.)?pooler\.dense\.(weight|bias)",),  # BertModel's pooler: part of our classifier head
+        hf_aliases={"cls.predictions.bias": "cls.predictions.decoder.bias"},
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Public API
+
+
+def _load_in_tree(path: str | Path) -> PreTrainedModel:
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type not in FAMILIES:
+        raise ValueError(
+            f"`model_type={config.model_type!r}` in {path} is not importable; supported: {sorted(FAMILIES)}."
+        )
+    architecture = (config.architectures or [FAMILIES[config.model_type].classes["base"].__name__])[0]
+    return getattr(transformers, architecture).from_pretrained(path)
+
+
+def _build(cls, config, source: torch.nn.Module, state: dict) -> PreTrainedModel:
+    """Instantiate `cls(config)` with the source's attention backend, load `state` strictly, match dtype."""
+    config._attn_implementation = source.config._attn_implementation
+    model = cls(config) if cls is not BertModel else cls(config, add_pooling_layer=False)
+    dtype = next(source.parameters()).dtype
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in _tied_targets(model)]
+    if missing or unexpected:
+        raise ValueError(
+            f"Weight mapping for {cls.__name__} is incomplete: missing {missing}, unexpected {unexpected}."
+        )
+    model.to(dtype)
+    if getattr(source, "generation_config", None) is not None and model.can_generate():
+        model.generation_config = GenerationConfig.from_dict(source.generation_config.to_dict())
+    model.train(source.training)
+    return model
+
+
+def _tied_targets(model: PreTrainedModel) -> set[str]:
+    """Keys that are tied copies of another weight (filled by tying, not by the state dict)."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return set()
+    return set(getattr(model, "all_tied_weights_keys", {}) or {})
+
+
+def from_hf(model_or_path: PreTrainedModel | str | Path) -> TfmPreTrainedModel:
+    """An in-tree Llama / Mistral / Qwen2 / GPT-2 / BERT model (object or saved folder) as the equivalent hf_tfm model.
+
+    The head follows the source: `*Model` -> `TfmModel`, `*ForCausalLM`/`GPT2LMHeadModel` -> `TfmForCausalLM`,
+    `*ForSequenceClassification`, `*ForTokenClassification`, `BertForMaskedLM` -> the hf_tfm head of that name. Weights
+    are copied (GPT-2's Conv1D ones transposed), the attention backend, dtype and generation config are kept.
+    """
+    source = _load_in_tree(model_or_path) if isinstance(model_or_path, (str, Path)) else model_or_path
+    family = FAMILIES.get(source.config.model_type)
+    if family is None:
+        raise ValueError(
+            f"No hf_tfm import for model_type={source.config.model_type!r}; supported: {sorted(FAMILIES)}."
+        )
+    head = _head_of(source)
+    kwargs = family.config_from_hf(source.config, head)
+    kwargs.update({name: getattr(source.config, name) for name in CARRIED_FIELDS})
+    config = TfmConfig(**kwargs)
+
+    state = source.state_dict()
+    if family.name == "gpt2":
+        state = _split_c_attn(state)
+    rules = family.rules(head)
+    converted = {}
+    for key, value in state.items():
+        if key in family.hf_aliases:
+            continue
+        renamed = _rename(key, rules, to_hf=False)
+        if renamed is None and any(re.fullmatch(pattern, key) for pattern in family.ignore_from_hf):
+            logger.warning(f"from_hf: dropping `{key}` (in hf_tfm, {family.name}'s pooler is part of the classifier).")
+            continue
+        if renamed is None:
+            raise ValueError(f"from_hf: no hf_tfm counterpart for {family.name} weight `{key}`.")
+        name, transpose = renamed
+        converted[name] = value.t() if transpose else value
+    return _build(TFM_CLASSES[head], config, source, {k: v.detach().clone() for k, v in converted.items()})
+
+
+def export_blockers(config: TfmConfig, head: str = "base") -> dict[str, list[str]]:
+    """For each in-tree family, the knobs that keep `config` (with this head) from being exported to it."""
+    return {name: family.blockers(config, head) for name, family in FAMILIES.items()}
+
+
+def to_hf(model: TfmPreTrainedModel | str | Path) -> PreTrainedModel:
+    """The in-tree transformers model equal to an hf_tfm model, or a `ValueError` naming every blocking knob.
+
+    The first family that expresses the config exactly wins, in the order llama, mistral, qwen2, gpt2, bert (so an
+    all-full-attention Mistral comes back as Llama, which is the same architecture). The result saves and loads with
+    plain transformers, no `trust_remote_code`.
+    """
+    if isinstance(model, (str, Path)):
+        config = TfmConfig.from_pretrained(model)
+        architecture = (config.architectures or ["TfmModel"])[0]
+        model = getattr(modeling, architecture).from_pretrained(model)
+    head = _head_of(model)
+    config = model.config
+    blockers = export_blockers(config, head)
+    name = next((name for name, found in blockers.items() if not found and head in FAMILIES[name].classes), None)
+    if name is None:
+        ranked = sorted(blockers.items(), key=lambda item: len(item[1]))
+        closest, found = ranked[0]
+        others = "; ".join(f"{n}: {len(b)} knobs" for n, b in ranked[1:])
+        raise ValueError(
+            f"This hf_tfm config ({head}) has no in-tree transformers equivalent. Closest family: {closest}, blocked "
+            f"by: {'; '.join(found)}. Other families: {others}."
+        )
+    family = FAMILIES[name]
+    kwargs = family.config_to_hf(config, head)
+    kwargs.update({field_name: getattr(config, field_name) for field_name in CARRIED_FIELDS})
+    hf_config = family.config_class(**kwargs)
+
+    rules = family.rules(head)
+    converted = {}
+    for key, value in model.state_dict().items():
+        renamed = _rename(key, rules, to_hf=True)
+        if renamed is None:
+            raise ValueError(f"to_hf: no {name} counterpart for hf_tfm weight `{key}`.")
+        hf_key, transpose = renamed
+        converted[hf_key] = value.t() if transpose else value
+    if family.name == "gpt2":
+        converted = _fuse_c_attn(converted)
+    for alias, original in family.hf_aliases.items():
+        if original in converted:
+            converted[alias] = converted[original]
+    return _build(family.classes[head], hf_config, model, {k: v.detach().clone() for k, v in converted.items()})
+
+
+def convert_path(src: str | Path, dst: str | Path) -> PreTrainedModel:
+    """Convert a saved folder: hf_tfm -> in-tree if its `model_type` is "hf_tfm", else in-tree -> hf_tfm.
+
+    Writes safetensors and the config (and generation config) to `dst`, and copies the other files of `src`
+    (tokenizer and the like) unchanged. Returns the converted model.
+    """
+    src, dst = Path(src), Path(dst)
+    config = TfmConfig.get_config_dict(src)[0]
+    converted = to_hf(src) if config.get("model_type") == TfmConfig.model_type else from_hf(src)
+    dst.mkdir(parents=True, exist_ok=True)
+    converted.save_pretrained(dst, safe_serialization=True)
+    skip = re.compile(r"config\.json|generation_config\.json|.*\.safetensors(\.index\.json)?|pytorch_model.*|.*\.py")
+    for file in src.iterdir() if src.is_dir() else ():  # a Hub id has no local files to carry
+        if file.is_file() and not skip.fullmatch(file.name) and not (dst / file.name).exists():
+            shutil.copy2(file, dst / file.name)
+    return converted
+
+
+__all__ = ["convert_path", "export_blockers", "from_hf", "to_hf"]
