@@ -44,6 +44,18 @@ def _register() -> None:
 
 _register()
 
+_CONVERT_NAMES = ("convert_path", "export_blockers", "from_hf", "to_hf")
+
+
+def __getattr__(name: str):
+    """`hf_tfm.from_hf` / `to_hf` / `convert_path`: imported on first use (they load the in-tree model families)."""
+    if name in _CONVERT_NAMES:
+        from . import convert
+
+        return getattr(convert, name)
+    raise AttributeError(f"module 'hf_tfm' has no attribute {name!r}")
+
+
 __all__ = [
     "TfmConfig",
     "TfmForCausalLM",
@@ -52,4 +64,8 @@ __all__ = [
     "TfmForTokenClassification",
     "TfmModel",
     "TfmPreTrainedModel",
+    "convert_path",
+    "export_blockers",
+    "from_hf",
+    "to_hf",
 ]

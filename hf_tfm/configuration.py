@@ -54,6 +54,8 @@ class TfmConfig(PreTrainedConfig):
     # --- positions: added to the embeddings (sinusoidal, learned) or applied in attention (rope, alibi)
     position_embedding_type: Literal["sinusoidal", "learned", "rope", "alibi"] = "rope"
     rope_parameters: RopeParameters | dict | None = None  # the v5 field: rope_theta, rope_type and its scaling keys
+    # ... or nested, one such dict per layer type ({"full_attention": {...}, "sliding_attention": {...}}): each layer
+    # type gets its own RoPE (ModernBERT: theta 160k on full layers, 10k on sliding ones). See `rope_per_layer_type`.
     type_vocab_size: int = 0  # > 0 adds BERT-style token type (segment) embeddings
 
     # --- normalisation
@@ -62,6 +64,9 @@ class TfmConfig(PreTrainedConfig):
     norm_bias: bool = True  # LayerNorm only
     norm_position: Literal["pre", "post"] = "pre"  # pre-norm stacks end with a final norm; post-norm (BERT) do not
     embedding_norm: bool = False  # a norm right after the embeddings (BERT, ModernBERT)
+    first_layer_attn_norm: bool = (
+        True  # False: layer 0 has no attention norm (ModernBERT: its input is already normed)
+    )
 
     # --- feed-forward: "glu" is gate_proj/up_proj/down_proj (silu -> SwiGLU, gelu -> GeGLU; arXiv:2002.05202)
     ffn_type: Literal["mlp", "glu"] = "glu"
@@ -83,6 +88,15 @@ class TfmConfig(PreTrainedConfig):
     tie_word_embeddings: bool = True
     classifier_pooling: Literal["first", "mean", "last"] | None = None  # None: "first" (encoder) / "last" (decoder)
     classifier_dropout: float | None = None  # None: hidden_dropout
+    # Sequence-classification head between pooling and `score` (BERT's pooler: dense + tanh; ModernBERT's: + norm).
+    classifier_dense: bool = False  # a hidden_size -> hidden_size dense + `classifier_activation` on the pooled vector
+    classifier_activation: str = "tanh"  # activation of that dense (any ACT2FN name); used only with classifier_dense
+    classifier_norm: bool = False  # a `norm_type` norm after that activation; needs classifier_dense
+    classifier_bias: bool = True  # bias on the `score` layer of both classifiers (Llama/GPT-2 style heads have none)
+    head_dense_bias: bool = (
+        True  # bias on the dense of the masked-LM transform and of `classifier_dense` (ModernBERT: no)
+    )
+    mlm_head_activation: str | None = None  # masked-LM transform's activation; None: gelu for glu, else hidden_act
     pad_token_id: int | None = 0
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
@@ -142,6 +156,14 @@ class TfmConfig(PreTrainedConfig):
             )
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("`layer_types` has 'sliding_attention' layers but `sliding_window` is None.")
+        if self.position_embedding_type == "rope" and self.rope_per_layer_type:
+            missing = sorted(t for t in set(self.layer_types) if not self.rope_parameters.get(t))
+            if missing:
+                raise ValueError(
+                    f"`rope_parameters` is nested by layer type but has no entry for {missing} (in `layer_types`)."
+                )
+        if not self.first_layer_attn_norm and self.norm_position != "pre":
+            raise ValueError("`first_layer_attn_norm=False` needs `norm_position='pre'` (a post-norm is the output).")
         if self.parallel_residual and self.norm_position == "post":
             raise ValueError(
                 "`parallel_residual` needs `norm_position='pre'` (a post-norm parallel block is undefined)."
@@ -154,6 +176,8 @@ class TfmConfig(PreTrainedConfig):
                 raise ValueError(f"`{name}` must be in [0, 1), got {value}.")
         if self.norm_eps <= 0:
             raise ValueError(f"`norm_eps` must be positive, got {self.norm_eps}.")
+        if self.classifier_norm and not self.classifier_dense:
+            raise ValueError("`classifier_norm=True` needs `classifier_dense=True` (the norm follows the dense).")
         if self.is_causal and self.classifier_pooling == "first":
             raise ValueError(
                 "`classifier_pooling='first'` sees only the first token in a causal decoder; use 'last' or 'mean'."
@@ -167,6 +191,11 @@ class TfmConfig(PreTrainedConfig):
                 f"`position_embedding_type='alibi'` cannot run on attn_implementation={implementation!r} "
                 "(flash kernels take no additive bias); use 'sdpa', 'eager' or 'flex_attention'."
             )
+
+    @property
+    def rope_per_layer_type(self) -> bool:
+        """True when `rope_parameters` is nested by layer type (one RoPE per entry of `layer_types`)."""
+        return bool(self.rope_parameters) and bool(self.nested_rope_parameter_keys(self.rope_parameters))
 
     @property
     def num_kv_groups(self) -> int:

@@ -7,8 +7,12 @@ transformers. This file imports only torch, transformers and `.configuration`: a
 code and loads where hf_tfm is not installed.
 """
 
+import json
 import math
+import shutil
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -16,6 +20,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.masking_utils import (
     create_bidirectional_mask,
     create_bidirectional_sliding_window_mask,
@@ -88,33 +93,57 @@ def make_norm(config: TfmConfig, size: int | None = None) -> nn.Module:
 
 
 class TfmRotaryEmbedding(nn.Module):
-    """Rotary embedding (arXiv:2104.09864) in the rotate-half layout, with transformers' RoPE scaling types."""
+    """Rotary embedding (arXiv:2104.09864) in the rotate-half layout, with transformers' RoPE scaling types.
+
+    With a flat `rope_parameters` there is one `inv_freq`; nested by layer type (`config.rope_per_layer_type`) there
+    is one `{layer_type}_inv_freq` per used layer type, in the layout `dynamic_rope_update` expects, and `forward`
+    takes the `layer_type`.
+    """
 
     def __init__(self, config: TfmConfig) -> None:
         super().__init__()
         self.config = config
         self.max_seq_len_cached = config.max_position_embeddings
         self.original_max_seq_len = config.max_position_embeddings
+        self.layer_types = sorted(set(config.layer_types)) if config.rope_per_layer_type else []
+        if self.layer_types:
+            self.rope_type, self.attention_scaling = {}, {}
+            for layer_type in self.layer_types:
+                self.rope_type[layer_type] = config.rope_parameters[layer_type]["rope_type"]
+                inv_freq, self.attention_scaling[layer_type] = self.rope_init_fn(layer_type)(
+                    config, layer_type=layer_type
+                )
+                setattr(self, f"{layer_type}_inv_freq", nn.Buffer(inv_freq, persistent=False))
+                setattr(self, f"{layer_type}_original_inv_freq", nn.Buffer(inv_freq.clone(), persistent=False))
+            return
         self.rope_type = config.rope_parameters["rope_type"]
-        rope_init_fn: Callable = self.compute_default_rope_parameters
-        if self.rope_type != "default":
-            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
-        inv_freq, self.attention_scaling = rope_init_fn(config)
+        inv_freq, self.attention_scaling = self.rope_init_fn()(config)
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
         self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
 
+    def rope_init_fn(self, layer_type: str | None = None) -> Callable:
+        rope_type = self.rope_type if layer_type is None else self.rope_type[layer_type]
+        return self.compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
+
     @staticmethod
-    def compute_default_rope_parameters(config: TfmConfig, device=None, **kwargs) -> tuple[torch.Tensor, float]:
-        base, dim = config.rope_parameters["rope_theta"], config.head_dim
+    def compute_default_rope_parameters(
+        config: TfmConfig, device=None, layer_type: str | None = None, **kwargs
+    ) -> tuple[torch.Tensor, float]:
+        params = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
+        base, dim = params["rope_theta"], config.head_dim
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device, torch.float) / dim))
         return inv_freq, 1.0
 
     @torch.no_grad()
     @dynamic_rope_update  # rebuilds inv_freq for the "dynamic" and "longrope" scaling types
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)  # (B, T, D/2), always in fp32
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self.inv_freq if layer_type is None else getattr(self, f"{layer_type}_inv_freq")
+        scaling = self.attention_scaling if layer_type is None else self.attention_scaling[layer_type]
+        freqs = position_ids[..., None].float() * inv_freq.to(x.device)  # (B, T, D/2), always in fp32
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+        return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -221,7 +250,9 @@ class TfmAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.is_causal = config.is_causal  # sdpa reads it when the mask is None
         sliding = config.layer_types[layer_idx] == "sliding_attention"
-        self.sliding_window = config.sliding_window if sliding else None
+        # Flash kernels read this as (window - 1) tokens either side: a decoder's self + (window - 1) previous tokens,
+        # so an encoder (+-window tokens, as its mask) passes window + 1.
+        self.sliding_window = (config.sliding_window + (not config.is_causal)) if sliding else None
 
         q_dim, kv_dim = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
         self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=config.attention_bias)
@@ -298,7 +329,8 @@ class TfmBlock(GradientCheckpointingLayer):
         self.parallel_residual = config.parallel_residual
         self.self_attn = TfmAttention(config, layer_idx)
         self.mlp = TfmMLP(config)
-        self.attn_norm = make_norm(config)  # the norm of the attention sub-layer (before it, or after the residual)
+        # The norm of the attention sub-layer (before it, or after the residual); layer 0 may skip it (pre-norm only).
+        self.attn_norm = make_norm(config) if layer_idx > 0 or config.first_layer_attn_norm else nn.Identity()
         self.mlp_norm = make_norm(config)  # the norm of the feed-forward sub-layer
         self.dropout = nn.Dropout(config.hidden_dropout)
 
@@ -349,9 +381,33 @@ class TfmPreTrainedModel(PreTrainedModel):
     _can_record_outputs = {"hidden_states": TfmBlock, "attentions": TfmAttention}
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
-        """`PreTrainedModel.save_pretrained`, with an `auto_map` entry for every hf_tfm head."""
+        """`PreTrainedModel.save_pretrained`, with an `auto_map` entry for every hf_tfm head.
+
+        Native FSDP2 (`DistributedConfig(fsdp_size=...)`) swaps the model's class for a subclass generated in torch
+        (`FSDPTfmForCausalLM`); transformers then points `auto_map` at torch's `_fsdp_*.py` files, copies those and
+        leaves ours out. The folder is repaired here, so every save carries hf_tfm's code and `auto_map`.
+        """
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
         super().save_pretrained(save_directory, *args, **kwargs)
+        is_main_process = args[0] if args else kwargs.get("is_main_process", True)
+        if type(self).__module__.startswith("torch.") and self.should_save_on_this_rank(is_main_process):
+            self._repair_remote_code(Path(save_directory))
+        self.config.auto_map = {**self.config.auto_map, **AUTO_MAP}
+
+    def _repair_remote_code(self, folder: Path) -> None:
+        """Replace the code files and `auto_map` written for a torch-generated subclass of this model with ours."""
+        own_files = [__file__, *get_relative_import_files(__file__)]
+        foreign = sys.modules[type(self).__module__].__file__
+        for file in [foreign, *get_relative_import_files(foreign)]:
+            if Path(file).name not in {Path(own).name for own in own_files}:
+                (folder / Path(file).name).unlink(missing_ok=True)
+        for file in own_files:
+            shutil.copyfile(file, folder / Path(file).name)
+        config_file = folder / "config.json"
+        if config_file.is_file():
+            config = json.loads(config_file.read_text())
+            config["auto_map"] = {**config.get("auto_map", {}), **AUTO_MAP}
+            config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -365,6 +421,12 @@ class TfmPreTrainedModel(PreTrainedModel):
             init.copy_(module.inv_freq, module.compute_inv_freq(module.dim))
         elif isinstance(module, TfmAlibi):
             init.copy_(module.slopes, module.compute_slopes(self.config.num_attention_heads))
+        elif isinstance(module, TfmRotaryEmbedding) and module.layer_types:
+            # Per-layer-type buffers: transformers' default rotary init (flat `inv_freq` only) skips these.
+            for layer_type in module.layer_types:
+                inv_freq, _ = module.rope_init_fn(layer_type)(module.config, layer_type=layer_type)
+                init.copy_(getattr(module, f"{layer_type}_inv_freq"), inv_freq)
+                init.copy_(getattr(module, f"{layer_type}_original_inv_freq"), inv_freq)
 
 
 class TfmModel(TfmPreTrainedModel):
@@ -450,20 +512,29 @@ class TfmModel(TfmPreTrainedModel):
         masks = attention_mask
         if not isinstance(masks, dict):  # generate() may pass masks already built per layer type
             masks = self._build_masks(inputs_embeds, attention_mask, cache, position_ids)
-        position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
+        position_embeddings = self._rotary(hidden_states, position_ids)
         biases = self._alibi_biases(seq_length, cache, inputs_embeds.dtype) if self.alibi is not None else {}
 
         for layer, layer_type in zip(self.layers, config.layer_types, strict=True):
             hidden_states = layer(
                 hidden_states,
                 masks[layer_type],
-                position_embeddings=position_embeddings,
+                position_embeddings=position_embeddings.get(layer_type),
                 position_bias=biases.get(layer_type),
                 cache=cache,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
+
+    def _rotary(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> dict[str, tuple]:
+        """RoPE (cos, sin) per layer type: one shared pair, or one per type when `rope_parameters` is nested."""
+        if self.rotary_emb is None:
+            return {}
+        if self.rotary_emb.layer_types:
+            return {t: self.rotary_emb(hidden_states, position_ids, t) for t in self.rotary_emb.layer_types}
+        shared = self.rotary_emb(hidden_states, position_ids)
+        return dict.fromkeys(self.config.layer_types, shared)
 
     def _check_input_ids(self, input_ids: torch.Tensor) -> None:
         if torch.compiler.is_compiling() or input_ids.numel() == 0:
@@ -612,15 +683,19 @@ def pool(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, how: 
 
 
 class TfmForSequenceClassification(TfmPreTrainedModel):
-    """Sequence classifier / regressor: pooled backbone output -> dropout -> `score`."""
+    """Sequence classifier / regressor: pooled backbone output -> [dense, act, norm] -> dropout -> `score`."""
 
     def __init__(self, config: TfmConfig) -> None:
         super().__init__(config)
         self.num_labels = config.num_labels
         self.model = TfmModel(config)
         dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout
+        # Optional dense -> `classifier_activation` (-> norm) on the pooled vector: BERT's pooler, ModernBERT's head.
+        self.head = None
+        if config.classifier_dense:
+            self.head = TfmPredictionHead(config, config.classifier_activation, norm=config.classifier_norm)
         self.dropout = nn.Dropout(dropout)
-        self.score = nn.Linear(config.hidden_size, config.num_labels)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=config.classifier_bias)
         self.post_init()
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -652,6 +727,8 @@ class TfmForSequenceClassification(TfmPreTrainedModel):
             pad_mask = input_ids != self.config.pad_token_id
         mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 else None
         pooled = pool(outputs.last_hidden_state, mask, self.config.classifier_pooling, pad_mask)
+        if self.head is not None:
+            pooled = self.head(pooled)
         logits = self.score(self.dropout(pooled))
         loss = None
         if labels is not None:
@@ -670,7 +747,7 @@ class TfmForTokenClassification(TfmPreTrainedModel):
         self.model = TfmModel(config)
         dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout
         self.dropout = nn.Dropout(dropout)
-        self.score = nn.Linear(config.hidden_size, config.num_labels)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=config.classifier_bias)
         self.post_init()
 
     @can_return_tuple
@@ -682,6 +759,7 @@ class TfmForTokenClassification(TfmPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,  # accepted (pipelines and Trainer pass it) and ignored: this head never caches
         **kwargs: Unpack[TransformersKwargs],
     ) -> TokenClassifierOutput:
         outputs = self.model(
@@ -705,11 +783,13 @@ class TfmForTokenClassification(TfmPreTrainedModel):
 class TfmPredictionHead(nn.Module):
     """The masked-LM transform before the vocabulary projection: dense -> activation -> norm (BERT, ModernBERT)."""
 
-    def __init__(self, config: TfmConfig) -> None:
+    def __init__(self, config: TfmConfig, activation: str | None = None, norm: bool = True) -> None:
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.act = ACT2FN["gelu" if config.ffn_type == "glu" else config.hidden_act]
-        self.norm = make_norm(config)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=config.head_dense_bias)
+        # The masked-LM head uses `mlm_head_activation` or the MLP's (gelu for glu); the classifier passes its own.
+        default = config.mlm_head_activation or ("gelu" if config.ffn_type == "glu" else config.hidden_act)
+        self.act = ACT2FN[activation or default]
+        self.norm = make_norm(config) if norm else nn.Identity()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.norm(self.act(self.dense(hidden_states)))
@@ -744,6 +824,7 @@ class TfmForMaskedLM(TfmPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,  # accepted (pipelines and Trainer pass it) and ignored: this head never caches
         **kwargs: Unpack[TransformersKwargs],
     ) -> MaskedLMOutput:
         outputs = self.model(

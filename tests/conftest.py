@@ -1,0 +1,96 @@
+"""Shared test helpers: tiny configs, seeded models, and a subprocess where hf_tfm cannot be imported.
+
+Import the plain functions from other test files with `from conftest import tiny_config, run_without_hf_tfm`
+(pytest puts this directory on `sys.path`), or use the fixtures of the same names.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_tfm  # noqa: F401  (registers the Auto classes)
+from hf_tfm import TfmConfig
+
+# Tiny sizes: every test model has about 60k parameters and runs in milliseconds on one CPU thread.
+TINY = {
+    "vocab_size": 99,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 48,
+    "max_position_embeddings": 64,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    # 10x the default init: tiny models then give clearly token- and position-dependent outputs (logits ~1), so
+    # an absolute tolerance of 1e-5 is a real check and not a comparison of near-constant numbers.
+    "initializer_range": 0.2,
+}
+
+
+def tiny_config(**overrides) -> TfmConfig:
+    """A tiny TfmConfig (vocab 99, hidden 32, 2 layers, 4 heads); keyword arguments override any field."""
+    return TfmConfig(**{**TINY, **overrides})
+
+
+def build(model_class, config: TfmConfig, seed: int = 0, attn_implementation: str = "eager"):
+    """A model with seeded random weights, in eval mode, on the requested attention kernel."""
+    torch.manual_seed(seed)
+    config._attn_implementation = attn_implementation
+    return model_class(config).eval()
+
+
+def random_ids(batch: int, length: int, vocab_size: int = TINY["vocab_size"], seed: int = 0) -> torch.Tensor:
+    """Random token ids that avoid the special ids 0-2 (pad/bos/eos), so generate() never stops early by chance."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (batch, length), generator=generator)
+
+
+def run_without_hf_tfm(code: str, tmp_path: Path, timeout: float = 180.0) -> str:
+    """Run `code` in a fresh Python where `import hf_tfm` fails; return its stdout, raise with stderr on failure.
+
+    The package is installed editable, so it is blocked with `sys.modules["hf_tfm"] = None`. The environment is
+    offline (`HF_HUB_OFFLINE=1`), has its own `HF_MODULES_CACHE` under `tmp_path`, and stdin is /dev/null so
+    transformers' trust_remote_code prompt fails at once instead of waiting 15 s.
+    """
+    program = 'import sys; sys.modules["hf_tfm"] = None\n' + textwrap.dedent(code)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_MODULES_CACHE": str(tmp_path / "hf_modules"),
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
+    env.pop("PYTHONPATH", None)  # the tests directory and the repo root must not leak into the child
+    result = subprocess.run(
+        [sys.executable, "-c", program],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"subprocess failed with exit code {result.returncode}\n--- stdout ---\n{result.stdout}\n"
+            f"--- stderr ---\n{result.stderr}"
+        )
+    return result.stdout
+
+
+@pytest.fixture(name="tiny_config")
+def tiny_config_fixture():
+    """The `tiny_config` factory as a fixture."""
+    return tiny_config
+
+
+@pytest.fixture(name="run_without_hf_tfm")
+def run_without_hf_tfm_fixture(tmp_path):
+    """`run_without_hf_tfm` bound to this test's `tmp_path`: call it with the code only."""
+    return lambda code, timeout=180.0: run_without_hf_tfm(code, tmp_path, timeout)

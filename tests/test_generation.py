@@ -1,0 +1,121 @@
+"""generate() for every position type: the cache, left padding, sampling, beam search and static caches agree.
+
+The oracle for greedy decoding is `use_cache=False` (every step recomputes the whole sequence), and for a batch it is
+each prompt generated alone. `min_new_tokens` keeps EOS out of the picture so lengths always match.
+"""
+
+import pytest
+import torch
+from conftest import build, random_ids, tiny_config
+from transformers import DynamicCache, StaticCache
+
+from hf_tfm import TfmForCausalLM
+
+NEW = 8
+VARIANTS = {
+    "rope": {"position_embedding_type": "rope", "num_key_value_heads": 2},
+    "alibi": {"position_embedding_type": "alibi"},
+    "learned": {"position_embedding_type": "learned", "norm_position": "post", "ffn_type": "mlp"},
+    "sinusoidal": {"position_embedding_type": "sinusoidal", "norm_type": "layernorm"},
+    "rope-swa": {"position_embedding_type": "rope", "sliding_window": 3, "num_key_value_heads": 2},
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS), ids=list(VARIANTS))
+def model(request):
+    return build(TfmForCausalLM, tiny_config(**VARIANTS[request.param]), attn_implementation="sdpa")
+
+
+def greedy(model, ids, mask=None, **kwargs):
+    return model.generate(
+        input_ids=ids,
+        attention_mask=mask if mask is not None else torch.ones_like(ids),
+        max_new_tokens=NEW,
+        min_new_tokens=NEW,
+        do_sample=False,
+        **kwargs,
+    )
+
+
+def left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = prompt
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def test_greedy_with_and_without_cache(model):
+    ids = random_ids(2, 5, seed=4)
+    cached = greedy(model, ids)
+    assert cached.shape == (2, 5 + NEW)
+    assert torch.equal(cached, greedy(model, ids, use_cache=False))
+    # and the sequence really is the argmax chain of full forwards
+    with torch.no_grad():
+        logits = model(input_ids=cached[:, :-1], use_cache=False).logits
+    assert torch.equal(logits[:, 4:].argmax(-1), cached[:, 5:])
+
+
+def test_batched_left_padded_equals_each_prompt(model):
+    prompts = [random_ids(1, n, seed=n)[0] for n in (6, 3, 5)]
+    ids, mask = left_padded(prompts)
+    batched = greedy(model, ids, mask)
+    for row, prompt in enumerate(prompts):
+        alone = greedy(model, prompt[None])
+        assert torch.equal(batched[row, ids.shape[1] :], alone[0, len(prompt) :]), row
+    static = greedy(model, ids, mask, cache_implementation="static")
+    assert torch.equal(static, batched)
+
+
+def test_static_cache_equals_dynamic(model):
+    ids = random_ids(2, 4, seed=5)
+    assert torch.equal(greedy(model, ids, cache_implementation="static"), greedy(model, ids))
+
+
+def test_user_built_static_cache(model):
+    ids = random_ids(1, 4, seed=6)
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    out = greedy(model, ids, cache=cache)
+    assert torch.equal(out, greedy(model, ids))
+    assert cache.get_seq_length() == 4 + NEW - 1  # the last token is sampled, never fed back
+
+
+def test_past_key_values_alias_still_works(model):
+    """Forward with the pre-5.24 name: same logits as `cache=`, and the cache is really used (one new token)."""
+    ids = random_ids(1, 6, seed=7)
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=False).logits
+        prefix = model(input_ids=ids[:, :5], use_cache=True)
+        with pytest.warns(FutureWarning, match="past_key_values"):
+            step = model(input_ids=ids[:, 5:], past_key_values=prefix.cache, use_cache=True)
+    torch.testing.assert_close(step.logits[:, -1], full[:, -1], atol=1e-5, rtol=0)
+    assert prefix.cache.get_seq_length() == 6
+    # generate() with an explicitly passed legacy-named cache object
+    with pytest.warns(FutureWarning, match="past_key_values"):
+        legacy = greedy(model, ids, past_key_values=DynamicCache(config=model.config))
+    assert torch.equal(legacy, greedy(model, ids))
+
+
+def test_beam_search_cache_equals_no_cache(model):
+    ids = random_ids(2, 4, seed=8)
+    kwargs = {"num_beams": 3, "num_return_sequences": 2, "max_new_tokens": 5, "min_new_tokens": 5}
+    cached = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
+    uncached = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **kwargs)
+    assert cached.shape == (4, 9)
+    assert torch.equal(cached, uncached)
+
+
+def test_seeded_sampling_is_reproducible(model):
+    ids = random_ids(2, 4, seed=9)
+    kwargs = {"do_sample": True, "top_k": 20, "temperature": 1.5, "max_new_tokens": NEW, "min_new_tokens": NEW}
+    runs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        runs.append(model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs))
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])  # the seed matters: it really samples
+    torch.manual_seed(0)
+    no_cache = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **kwargs)
+    assert torch.equal(no_cache, runs[0])  # the same draws from the same distributions
