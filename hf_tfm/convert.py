@@ -1,14 +1,14 @@
 """Exact-parity conversion between hf_tfm and transformers' in-tree model families.
 
-`from_hf(model_or_path)` turns an in-tree Llama, Mistral, Qwen2, GPT-2 or BERT model (object or saved folder) into the
-hf_tfm model with the same architecture and weights; `to_hf(model)` writes the in-tree class back whenever the config
-is expressible by one, and otherwise raises a `ValueError` naming every knob that blocks it. `convert_path(src, dst)`
-does either on saved folders, picking the direction from the source's `model_type`.
+`from_hf(model_or_path)` turns an in-tree Llama, Mistral, Qwen2, GPT-2, BERT or ModernBERT model (object or saved
+folder) into the hf_tfm model with the same architecture and weights; `to_hf(model)` writes the in-tree class back
+whenever the config is expressible by one, and otherwise raises a `ValueError` naming every knob that blocks it.
+`convert_path(src, dst)` does either on saved folders, picking the direction from the source's `model_type`.
 
 Each family is three small tables: how its config maps onto `TfmConfig` knobs, which knob values it needs on the way
-back, and how its weight names map onto hf_tfm's (with GPT-2's Conv1D transpose and fused q/k/v as the only
-reshaping). The weights are moved with a strict `load_state_dict`, so a tensor nobody mapped is an error, not a
-silently random weight.
+back, and how its weight names map onto hf_tfm's (with GPT-2's Conv1D transpose and fused q/k/v, and ModernBERT's
+fused Wqkv / Wi, as the only reshaping). The weights are moved with a strict `load_state_dict`, so a tensor nobody
+mapped is an error, not a silently random weight.
 """
 
 import re
@@ -42,6 +42,10 @@ from transformers import (
     MistralForSequenceClassification,
     MistralForTokenClassification,
     MistralModel,
+    ModernBertConfig,
+    ModernBertForMaskedLM,
+    ModernBertForSequenceClassification,
+    ModernBertModel,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -52,7 +56,7 @@ from transformers import (
 from transformers.utils import logging
 
 from . import modeling
-from .configuration import TfmConfig
+from .configuration import LAYER_TYPES, TfmConfig
 from .modeling import (
     TfmForCausalLM,
     TfmForMaskedLM,
@@ -137,6 +141,8 @@ class Family:
     config_to_hf: Callable  # (TfmConfig, head) -> in-tree config kwargs
     ignore_from_hf: tuple[str, ...] = ()  # in-tree keys with no hf_tfm counterpart (dropped with a warning)
     hf_aliases: dict[str, str] = field(default_factory=dict)  # in-tree key -> the key it must equal (tied copies)
+    split_state: Callable | None = None  # in-tree state dict -> the same with fused projections split (before rules)
+    fuse_state: Callable | None = None  # the reverse, after the rules (GPT-2's c_attn, ModernBERT's Wqkv and Wi)
 
     def rules(self, head: str) -> list[Rule]:
         if head == "base":
@@ -156,6 +162,9 @@ def _need(config: TfmConfig, out: list[str], family: str, knob: str, expected, w
 def _common_blockers(config: TfmConfig, family: str, out: list[str]) -> None:
     _need(config, out, family, "qk_norm", False)
     _need(config, out, family, "parallel_residual", False)
+    _need(config, out, family, "first_layer_attn_norm", family != "modernbert")
+    if family != "modernbert":
+        _need(config, out, family, "rope_parameters", lambda v: not config.rope_per_layer_type, "one flat RoPE dict")
     if family in ("llama", "mistral", "qwen2"):  # no dropout outside attention in these blocks
         _need(config, out, family, "hidden_dropout", 0.0)
 
@@ -169,6 +178,7 @@ def _classifier_blockers(config: TfmConfig, head: str, family: str, out: list[st
         if dense:
             _need(config, out, family, "classifier_activation", "tanh")
             _need(config, out, family, "classifier_norm", False)
+            _need(config, out, family, "head_dense_bias", True)
     if head == "token_classification":
         _need(config, out, family, "classifier_bias", True)
 
@@ -185,7 +195,7 @@ def _sizes(c) -> dict:
         "bos_token_id": c.bos_token_id,
         "eos_token_id": c.eos_token_id,
         "tie_word_embeddings": c.tie_word_embeddings,
-        "use_cache": c.use_cache,
+        "use_cache": getattr(c, "use_cache", True),  # ModernBERT (an encoder) has none
     }
 
 
@@ -537,6 +547,9 @@ def _bert_blockers(config: TfmConfig, head: str) -> list[str]:
     _common_blockers(config, name, out)
     if head == "causal_lm":
         out.append("head `causal_lm` (hf_tfm exports BERT encoders only)")
+    if head == "masked_lm":
+        _need(config, out, name, "head_dense_bias", True)
+        _need(config, out, name, "mlm_head_activation", lambda v: v in (None, config.hidden_act), "None / hidden_act")
     _classifier_blockers(config, head, name, out, pooling="first", bias=True)
     return out
 
@@ -552,6 +565,166 @@ def _bert_to_hf(config: TfmConfig, head: str) -> dict:
         layer_norm_eps=config.norm_eps,
         classifier_dropout=config.classifier_dropout,
     )
+    return kwargs
+
+
+# --- ModernBERT: pre-norm encoder, LayerNorm (no bias by default), fused Wqkv and GeGLU Wi, RoPE theta per layer type,
+# alternating global / bidirectional sliding-window layers, no attention norm on layer 0, dense+act+norm head.
+
+MODERNBERT_BASE_RULES = [
+    Rule("embed_tokens.weight", "embeddings.tok_embeddings.weight"),
+    Rule("embed_norm.{p}", "embeddings.norm.{p}"),
+    Rule("layers.{i}.self_attn.o_proj.{p}", "layers.{i}.attn.Wo.{p}"),
+    Rule("layers.{i}.self_attn.{n}.{p}", "layers.{i}.attn.{n}.{p}"),  # q/k/v: Wqkv split / fused around the rules
+    Rule("layers.{i}.mlp.down_proj.{p}", "layers.{i}.mlp.Wo.{p}"),
+    Rule("layers.{i}.mlp.{n}.{p}", "layers.{i}.mlp.{n}.{p}"),  # gate/up: Wi split / fused around the rules
+    Rule("layers.{i}.attn_norm.{p}", "layers.{i}.attn_norm.{p}"),
+    Rule("layers.{i}.mlp_norm.{p}", "layers.{i}.mlp_norm.{p}"),
+    Rule("norm.{p}", "final_norm.{p}"),
+]
+_MODERNBERT_HEAD = [Rule("head.dense.{p}", "head.dense.{p}"), Rule("head.norm.{p}", "head.norm.{p}")]
+MODERNBERT_HEAD_RULES = {
+    "sequence_classification": [*_MODERNBERT_HEAD, Rule("score.{p}", "classifier.{p}")],
+    "masked_lm": [*_MODERNBERT_HEAD, Rule("lm_head.{p}", "decoder.{p}")],
+}
+# Fused in-tree weight -> the hf_tfm projections it holds, in its output-row order (ModernBertMLP: `input, gate =
+# Wi(x).chunk(2)` and act(input) * gate, so the activated first half is our gate_proj).
+_MODERNBERT_FUSED = {"attn.Wqkv": ("q_proj", "k_proj", "v_proj"), "mlp.Wi": ("gate_proj", "up_proj")}
+_MB_FUSED = re.compile(r"(?P<pre>.*layers\.\d+\.)(?P<f>attn\.Wqkv|mlp\.Wi)\.(?P<p>weight|bias)")
+_MB_PART = re.compile(
+    r"(?P<pre>.*layers\.\d+\.)(?P<m>attn|mlp)\.(?P<n>[qkv]_proj|gate_proj|up_proj)\.(?P<p>weight|bias)"
+)
+
+
+def _modernbert_split(state: dict) -> dict:
+    out = {}
+    for key, value in state.items():
+        match = _MB_FUSED.fullmatch(key)
+        if not match:
+            out[key] = value
+            continue
+        names = _MODERNBERT_FUSED[match["f"]]
+        module = match["f"].split(".")[0]
+        for name, part in zip(names, value.chunk(len(names), dim=0), strict=True):
+            out[f"{match['pre']}{module}.{name}.{match['p']}"] = part
+    return out
+
+
+def _modernbert_fuse(state: dict) -> dict:
+    out, parts = {}, {}
+    for key, value in state.items():
+        match = _MB_PART.fullmatch(key)
+        if match:
+            parts.setdefault((match["pre"], match["m"], match["p"]), {})[match["n"]] = value
+        else:
+            out[key] = value
+    for (pre, module, p), found in parts.items():
+        fused = next(f for f in _MODERNBERT_FUSED if f.startswith(module + "."))
+        out[f"{pre}{fused}.{p}"] = torch.cat([found[n] for n in _MODERNBERT_FUSED[fused]], dim=0)
+    return out
+
+
+def _modernbert_from_hf(c, head: str) -> dict:
+    dropped = {k: getattr(c, k) for k in ("attention_dropout", "embedding_dropout", "mlp_dropout") if getattr(c, k)}
+    if dropped:  # inference is exact; only training-time dropout placement differs
+        logger.warning(f"ModernBERT {dropped}: hf_tfm places dropout differently and imports these as 0.")
+    if head == "masked_lm" and not c.decoder_bias:
+        raise ValueError(
+            "ModernBERT with `decoder_bias=False` has no hf_tfm equivalent (the masked-LM head has a bias)."
+        )
+    if c.sparse_prediction:
+        logger.warning(
+            "ModernBERT `sparse_prediction=True` (a loss-time shortcut) is not imported: logits stay dense."
+        )
+    kwargs = _sizes(c)
+    kwargs.update(
+        intermediate_size=c.intermediate_size,
+        position_embedding_type="rope",
+        rope_parameters={t: dict(c.rope_parameters[t]) for t in LAYER_TYPES if c.rope_parameters.get(t)},
+        norm_type="layernorm",
+        norm_bias=c.norm_bias,
+        norm_eps=c.norm_eps,
+        norm_position="pre",
+        embedding_norm=True,
+        first_layer_attn_norm=False,
+        ffn_type="glu",
+        hidden_act=c.hidden_activation,
+        mlp_bias=c.mlp_bias,
+        attention_bias=c.attention_bias,
+        attention_out_bias=c.attention_bias,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        is_causal=False,
+        sliding_window=c.sliding_window,  # local_attention // 2: the mask keeps |i - j| <= it, as ours for encoders
+        layer_types=list(c.layer_types),
+        classifier_pooling={"cls": "first", "mean": "mean"}[c.classifier_pooling],
+        classifier_dense=True,
+        classifier_activation=c.classifier_activation,
+        classifier_norm=True,
+        classifier_bias=True,
+        classifier_dropout=float(c.classifier_dropout),
+        head_dense_bias=c.classifier_bias,
+        mlm_head_activation=c.classifier_activation,
+        cls_token_id=c.cls_token_id,  # carried as plain config attributes (the tokenizer's special ids)
+        sep_token_id=c.sep_token_id,
+    )
+    return kwargs
+
+
+def _modernbert_blockers(config: TfmConfig, head: str) -> list[str]:
+    out: list[str] = []
+    name = "modernbert"
+    _need(config, out, name, "is_causal", False)
+    _need(config, out, name, "position_embedding_type", "rope")
+    _need(config, out, name, "type_vocab_size", 0)
+    _need(config, out, name, "norm_type", "layernorm")
+    _need(config, out, name, "norm_position", "pre")
+    _need(config, out, name, "embedding_norm", True)
+    _need(config, out, name, "ffn_type", "glu")
+    _need(config, out, name, "attention_out_bias", config.attention_bias, "the same value as `attention_bias`")
+    _need(config, out, name, "num_key_value_heads", config.num_attention_heads, "`num_attention_heads` (no GQA)")
+    _need(config, out, name, "head_dim", config.hidden_size // config.num_attention_heads, "hidden/heads")
+    _need(config, out, name, "hidden_dropout", 0.0, "0.0 (its dropouts sit elsewhere)")
+    _need(config, out, name, "attention_dropout", 0.0, "0.0 (its dropouts sit elsewhere)")
+    _common_blockers(config, name, out)
+    if head in ("causal_lm", "token_classification"):
+        out.append(f"head `{head}` (hf_tfm exports ModernBERT's base, masked-LM and sequence-classification heads)")
+    if head == "sequence_classification":
+        _need(config, out, name, "classifier_pooling", lambda v: v in ("first", "mean"), "'first' or 'mean'")
+        _need(config, out, name, "classifier_dense", True)
+        _need(config, out, name, "classifier_norm", True)
+        _need(config, out, name, "classifier_bias", True)
+    return out
+
+
+def _modernbert_to_hf(config: TfmConfig, head: str) -> dict:
+    kwargs = _sizes(config)
+    kwargs.pop("use_cache")
+    if config.rope_per_layer_type:
+        rope = {t: dict(config.rope_parameters[t]) for t in LAYER_TYPES if config.rope_parameters.get(t)}
+    else:  # one RoPE for every layer type
+        rope = {t: dict(config.rope_parameters) for t in LAYER_TYPES}
+    mlm_act = config.mlm_head_activation or "gelu"  # ffn_type="glu" is required
+    dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout
+    kwargs.update(
+        intermediate_size=config.intermediate_size,
+        hidden_activation=config.hidden_act,
+        norm_eps=config.norm_eps,
+        norm_bias=config.norm_bias,
+        attention_bias=config.attention_bias,
+        mlp_bias=config.mlp_bias,
+        layer_types=list(config.layer_types),
+        rope_parameters=rope,
+        classifier_pooling="mean" if config.classifier_pooling == "mean" else "cls",
+        classifier_dropout=dropout,
+        classifier_bias=config.head_dense_bias,
+        classifier_activation=mlm_act if head == "masked_lm" else config.classifier_activation,
+    )
+    if config.sliding_window is not None:
+        kwargs["local_attention"] = 2 * config.sliding_window
+    for name in ("cls_token_id", "sep_token_id"):  # set by an import; a hand-built config falls back to the defaults
+        if getattr(config, name, None) is not None:
+            kwargs[name] = getattr(config, name)
     return kwargs
 
 
@@ -586,6 +759,8 @@ FAMILIES: dict[str, Family] = {
         config_from_hf=_gpt2_from_hf,
         blockers=_gpt2_blockers,
         config_to_hf=_gpt2_to_hf,
+        split_state=_split_c_attn,
+        fuse_state=_fuse_c_attn,
     ),
     "bert": Family(
         name="bert",
@@ -604,6 +779,23 @@ FAMILIES: dict[str, Family] = {
         config_to_hf=_bert_to_hf,
         ignore_from_hf=(r"(bert\.)?pooler\.dense\.(weight|bias)",),  # BertModel's pooler: part of our classifier head
         hf_aliases={"cls.predictions.bias": "cls.predictions.decoder.bias"},
+    ),
+    "modernbert": Family(
+        name="modernbert",
+        config_class=ModernBertConfig,
+        classes={
+            "base": ModernBertModel,
+            "sequence_classification": ModernBertForSequenceClassification,
+            "masked_lm": ModernBertForMaskedLM,
+        },
+        hf_prefix="model.",
+        base_rules=MODERNBERT_BASE_RULES,
+        head_rules=MODERNBERT_HEAD_RULES,
+        config_from_hf=_modernbert_from_hf,
+        blockers=_modernbert_blockers,
+        config_to_hf=_modernbert_to_hf,
+        split_state=_modernbert_split,
+        fuse_state=_modernbert_fuse,
     ),
 }
 
@@ -648,7 +840,7 @@ def _tied_targets(model: PreTrainedModel) -> set[str]:
 
 
 def from_hf(model_or_path: PreTrainedModel | str | Path) -> TfmPreTrainedModel:
-    """An in-tree Llama / Mistral / Qwen2 / GPT-2 / BERT model (object or saved folder) as the equivalent hf_tfm model.
+    """An in-tree Llama / Mistral / Qwen2 / GPT-2 / BERT / ModernBERT model (object or folder) as hf_tfm's equivalent.
 
     The head follows the source: `*Model` -> `TfmModel`, `*ForCausalLM`/`GPT2LMHeadModel` -> `TfmForCausalLM`,
     `*ForSequenceClassification`, `*ForTokenClassification`, `BertForMaskedLM` -> the hf_tfm head of that name. Weights
@@ -666,8 +858,8 @@ def from_hf(model_or_path: PreTrainedModel | str | Path) -> TfmPreTrainedModel:
     config = TfmConfig(**kwargs)
 
     state = source.state_dict()
-    if family.name == "gpt2":
-        state = _split_c_attn(state)
+    if family.split_state is not None:
+        state = family.split_state(state)
     rules = family.rules(head)
     converted = {}
     for key, value in state.items():
@@ -692,9 +884,9 @@ def export_blockers(config: TfmConfig, head: str = "base") -> dict[str, list[str
 def to_hf(model: TfmPreTrainedModel | str | Path) -> PreTrainedModel:
     """The in-tree transformers model equal to an hf_tfm model, or a `ValueError` naming every blocking knob.
 
-    The first family that expresses the config exactly wins, in the order llama, mistral, qwen2, gpt2, bert (so an
-    all-full-attention Mistral comes back as Llama, which is the same architecture). The result saves and loads with
-    plain transformers, no `trust_remote_code`.
+    The first family that expresses the config exactly wins, in the order llama, mistral, qwen2, gpt2, bert, modernbert
+    (so an all-full-attention Mistral comes back as Llama, which is the same architecture). The result saves and loads
+    with plain transformers, no `trust_remote_code`.
     """
     if isinstance(model, (str, Path)):
         config = TfmConfig.from_pretrained(model)
@@ -725,8 +917,8 @@ def to_hf(model: TfmPreTrainedModel | str | Path) -> PreTrainedModel:
             raise ValueError(f"to_hf: no {name} counterpart for hf_tfm weight `{key}`.")
         hf_key, transpose = renamed
         converted[hf_key] = value.t() if transpose else value
-    if family.name == "gpt2":
-        converted = _fuse_c_attn(converted)
+    if family.fuse_state is not None:
+        converted = family.fuse_state(converted)
     for alias, original in family.hf_aliases.items():
         if original in converted:
             converted[alias] = converted[original]

@@ -7,6 +7,7 @@ transformers. This file imports only torch, transformers and `.configuration`: a
 code and loads where hf_tfm is not installed.
 """
 
+import inspect
 import json
 import math
 import shutil
@@ -205,6 +206,10 @@ class TfmAlibi(nn.Module):
 # Attention
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
     """(B, H_kv, S, D) -> (B, H_kv * n_rep, S, D): share each key/value head with its group of query heads."""
     if n_rep == 1:
@@ -259,6 +264,7 @@ class TfmAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.attention_out_bias)
+        self.qk_norm = config.qk_norm
         self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else nn.Identity()
         self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else nn.Identity()
 
@@ -274,8 +280,11 @@ class TfmAttention(nn.Module):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)  # -1 heads: tensor parallelism shards the head count
 
-        query = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, H, T, D)
-        key = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, H_kv, T, D)
+        query = self.q_proj(hidden_states).view(hidden_shape)
+        key = self.k_proj(hidden_states).view(hidden_shape)
+        if self.qk_norm:  # no Identity module calls when off (per-token decode overhead)
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)  # (B, H, T, D), (B, H_kv, T, D)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H_kv, T, D)
 
         if position_embeddings is not None:
@@ -338,15 +347,16 @@ class TfmBlock(GradientCheckpointingLayer):
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs
     ) -> torch.Tensor:
         x = hidden_states
-        attn = lambda h: self.dropout(self.self_attn(h, attention_mask, **kwargs)[0])  # noqa: E731
-        mlp = lambda h: self.dropout(self.mlp(h))  # noqa: E731
+        # Dropout is the identity in eval mode or at p=0: skip its module call (per-token decode overhead).
+        drop = self.dropout if self.training and self.dropout.p > 0 else _identity
+        attn, mlp = self.self_attn, self.mlp
         if self.parallel_residual:  # GPT-J / NeoX / PaLM: both sub-layers read the same input
-            return x + attn(self.attn_norm(x)) + mlp(self.mlp_norm(x))
+            return x + drop(attn(self.attn_norm(x), attention_mask, **kwargs)[0]) + drop(mlp(self.mlp_norm(x)))
         if self.norm_position == "pre":
-            x = x + attn(self.attn_norm(x))
-            return x + mlp(self.mlp_norm(x))
-        x = self.attn_norm(x + attn(x))  # post-norm (original Transformer, BERT)
-        return self.mlp_norm(x + mlp(x))
+            x = x + drop(attn(self.attn_norm(x), attention_mask, **kwargs)[0])
+            return x + drop(mlp(self.mlp_norm(x)))
+        x = self.attn_norm(x + drop(attn(x, attention_mask, **kwargs)[0]))  # post-norm (original Transformer, BERT)
+        return self.mlp_norm(x + drop(mlp(x)))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -507,7 +517,10 @@ class TfmModel(TfmPreTrainedModel):
             if token_type_ids is None:
                 token_type_ids = torch.zeros_like(position_ids)
             hidden_states = hidden_states + self.token_type_embeddings(token_type_ids)
-        hidden_states = self.embed_dropout(self.embed_norm(hidden_states))
+        if self.config.embedding_norm:
+            hidden_states = self.embed_norm(hidden_states)
+        if self.training and self.embed_dropout.p > 0:
+            hidden_states = self.embed_dropout(hidden_states)
 
         masks = attention_mask
         if not isinstance(masks, dict):  # generate() may pass masks already built per layer type
@@ -539,11 +552,10 @@ class TfmModel(TfmPreTrainedModel):
     def _check_input_ids(self, input_ids: torch.Tensor) -> None:
         if torch.compiler.is_compiling() or input_ids.numel() == 0:
             return
-        low, high = torch.aminmax(input_ids)
+        low, high = (t.item() for t in torch.aminmax(input_ids))  # two syncs, no extra comparison kernels
         if low < 0 or high >= self.config.vocab_size:
             raise ValueError(
-                f"`input_ids` must lie in [0, {self.config.vocab_size}) (vocab_size), got values in "
-                f"[{int(low)}, {int(high)}]."
+                f"`input_ids` must lie in [0, {self.config.vocab_size}) (vocab_size), got values in [{low}, {high}]."
             )
 
     def _absolute_positions(self, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -665,6 +677,11 @@ class TfmForCausalLM(TfmPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+
+
+# generate() calls inspect.signature(self.forward) on every decode step for remote-code models (looking for the removed
+# `cache_position`); a precomputed signature (the same one inspect would build) makes that lookup ~4x cheaper.
+TfmForCausalLM.forward.__signature__ = inspect.signature(TfmForCausalLM.forward)
 
 
 def pool(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, how: str, pad_mask: torch.Tensor | None):
