@@ -1,0 +1,699 @@
+"""`hf-tfm`: from raw text to a trained, shareable model, and the same steps on your own data.
+
+    hf-tfm demo [--quick]                      the main job, on the Python standard library's own text
+    hf-tfm pretrain --train-file F ...         a causal LM on your text (from a preset or an existing checkpoint)
+    hf-tfm finetune --train-file F ...         a sequence classifier on your labelled data (full or LoRA)
+    hf-tfm generate DIR --prompt TEXT          streamed sampling from a causal LM folder
+    hf-tfm classify DIR TEXT... | --file F     labels and scores from a classifier folder
+    hf-tfm push DIR --repo-id ID               upload a folder to the Hugging Face Hub (HF_ENDPOINT is honoured)
+    hf-tfm info PATH_OR_PRESET                 config, parameter count, supported integrations
+    hf-tfm convert SRC DST                     to/from an in-tree transformers family (hf_tfm.convert)
+
+Errors in the user's input exit with status 1 and a one-line message; argparse usage errors exit with status 2.
+Training, data and Hub imports happen inside the subcommands that need them.
+"""
+
+import argparse
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("hf_tfm.cli")
+
+DEMO_PROMPTS = ["def ", "import os\n", "class Queue:\n    ", '"""Return the']
+
+# Two sizes of the demo. `--quick` is the smoke test (< 2 min); the default is the ~10 minute run on 2 CPU cores.
+DEMO_PROFILES: dict[str, dict[str, Any]] = {
+    "quick": {
+        "corpus_chars": 1_200_000,
+        "vocab_size": 1024,
+        "lm_config": {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4},
+        "lm": {"max_steps": 150, "batch_size": 16, "seq_len": 128, "learning_rate": 2e-3},
+        "clf": {"max_steps": 150, "batch_size": 16, "seq_len": 96, "learning_rate": 3e-3},
+        "max_new_tokens": 24,
+    },
+    "full": {
+        "corpus_chars": 8_000_000,
+        "vocab_size": 2048,
+        "lm_config": {"hidden_size": 192, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2},
+        "lm": {"max_steps": 1200, "batch_size": 16, "seq_len": 128, "learning_rate": 2e-3},
+        "clf": {"max_steps": 400, "batch_size": 16, "seq_len": 128, "learning_rate": 2e-3},
+        "max_new_tokens": 48,
+    },
+}
+
+
+class CliError(Exception):
+    """A problem with the user's request, reported as one line and exit status 1."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Shared helpers
+
+
+def _settings(args: argparse.Namespace, **defaults: Any):
+    from .recipes import TrainSettings
+
+    values = dict(defaults)
+    for name in ("max_steps", "epochs", "learning_rate", "batch_size", "seq_len", "seed", "warmup_steps"):
+        value = getattr(args, name, None)
+        if value is not None:
+            values[name] = value
+    if getattr(args, "epochs", None) is not None and getattr(args, "max_steps", None) is None:
+        values["max_steps"] = -1  # --epochs alone means "train for that many epochs"
+    settings = TrainSettings(**values)
+    if settings.batch_size <= 0 or settings.seq_len <= 1:
+        raise CliError("--batch-size must be positive and --seq-len at least 2")
+    return settings
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+    except (OSError, ValueError) as err:
+        raise CliError(f"{path}: no usable tokenizer in this model folder ({err})") from err
+
+
+def _require_model_dir(path: str) -> Path:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CliError(f"{path}: no such model folder")
+    if not (folder / "config.json").is_file():
+        raise CliError(f"{path}: not a model folder (no config.json)")
+    return folder
+
+
+def _is_demo_output(folder: Path) -> bool:
+    try:
+        return json.loads((folder / "metrics.json").read_text())["kind"] == "hf-tfm demo"
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _split_held_out(texts: list[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """Hold out about `fraction` of the texts, at least one, chosen by seed."""
+    if len(texts) < 2:
+        raise CliError("need at least 2 texts to hold some out; pass --eval-file")
+    order = list(range(len(texts)))
+    random.Random(seed).shuffle(order)
+    n_eval = max(1, round(len(texts) * fraction))
+    held = set(order[:n_eval])
+    return [t for i, t in enumerate(texts) if i not in held], [t for i, t in enumerate(texts) if i in held]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# demo
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .data import docstring_task, stdlib_files, stdlib_root
+    from .presets import load_config
+    from .recipes import (
+        TrainSettings,
+        finetune_classifier,
+        generate_in_fresh_process,
+        plot_loss_curves,
+        pretrain_causal_lm,
+        staged_dir,
+        write_model_card,
+    )
+    from .tokenization import train_bpe_tokenizer
+
+    profile = DEMO_PROFILES["quick" if args.quick else "full"]
+    seed = args.seed
+    start = time.perf_counter()
+    out = Path(args.output_dir).resolve()
+    with staged_dir(out, overwrite=args.overwrite, replaceable=_is_demo_output) as stage:
+        print(f"[1/6] corpus: the Python standard library at {stdlib_root()}")
+        all_files = stdlib_files()
+        task = docstring_task(all_files, seed=seed)
+        # The LM never sees a file whose docstrings are classifier test inputs: no transductive leak.
+        lm_pool = [
+            f for f in stdlib_files(profile["corpus_chars"], max_file_chars=20_000) if f.path not in task.test_files
+        ]
+        lm_held = lm_pool[::20]  # every 20th file (in path order) is held out: the split is by file
+        lm_train = [f for i, f in enumerate(lm_pool) if i % 20]
+        train_texts, eval_texts = [f.text for f in lm_train], [f.text for f in lm_held]
+        print(
+            f"      LM: {len(lm_train)} train files ({sum(map(len, train_texts)) / 1e6:.1f} MB), "
+            f"{len(lm_held)} held-out files; classifier: {len(task.label_names)} packages, "
+            f"{len(task.train_texts)} train / {len(task.test_texts)} test docstrings, split by file"
+        )
+
+        print(f"[2/6] tokenizer: byte-level BPE, vocabulary {profile['vocab_size']}")
+        tokenizer = train_bpe_tokenizer(train_texts, vocab_size=profile["vocab_size"])
+
+        lm_settings = TrainSettings(seed=seed, **profile["lm"])
+        config = load_config(
+            "tiny-decoder",
+            **profile["lm_config"],
+            vocab_size=len(tokenizer),
+            max_position_embeddings=lm_settings.seq_len * 4,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        print(f"[3/6] pretraining a causal LM ({lm_settings.max_steps} steps, sequence length {lm_settings.seq_len})")
+        lm_dir = stage / "lm"
+        lm = pretrain_causal_lm(config, tokenizer, train_texts, eval_texts, lm_settings, lm_dir)
+        print(f"      held-out loss {lm['eval_loss']:.3f}, perplexity {lm['perplexity']:.1f}")
+        data_lines = [
+            f"Python {sys.version.split()[0]} standard library source files (found at run time under "
+            f"`{stdlib_root()}`), tests and site-packages excluded.",
+            f"{len(lm_train)} training files, {lm['train_tokens']:,} tokens; {len(lm_held)} held-out files, "
+            f"{lm['eval_tokens']:,} tokens (the split is by file).",
+            "Files whose docstrings are test inputs of the demo classifier are left out of pretraining.",
+            f"Tokenizer: byte-level BPE trained on the training files, {len(tokenizer)} tokens.",
+        ]
+        write_model_card(
+            lm_dir,
+            title="hf_tfm demo causal LM (Python standard library)",
+            summary="A small causal language model pretrained from scratch by `hf-tfm demo` on Python source code.",
+            config=config,
+            parameters=lm["parameters"],
+            data=data_lines,
+            settings={**lm_settings.as_dict(), "optimizer": "AdamW", "lr schedule": "cosine"},
+            metrics={
+                "held-out loss": lm["eval_loss"],
+                "perplexity": lm["perplexity"],
+                "final train loss": lm["train_loss"],
+            },
+            pipeline_tag="text-generation",
+            auto_class="AutoModelForCausalLM",
+        )
+
+        print("[4/6] reloading the folder in a fresh process (AutoModelForCausalLM, trust_remote_code, no hf_tfm)")
+        reloaded = generate_in_fresh_process(lm_dir, DEMO_PROMPTS, profile["max_new_tokens"], seed)
+        for prompt, text in zip(DEMO_PROMPTS, reloaded["generations"], strict=True):
+            print(f"      {prompt!r} -> {text!r}")
+
+        clf_settings = TrainSettings(seed=seed, **profile["clf"])
+        print(
+            f"[5/6] LoRA fine-tuning an encoder classifier from the LM's weights "
+            f"({clf_settings.max_steps} steps, {len(task.label_names)} classes)"
+        )
+        clf_dir = stage / "classifier"
+        overrides = {"is_causal": False, "classifier_pooling": "mean"}  # bidirectional attention on the LM weights
+        clf = finetune_classifier(
+            lm_dir,
+            tokenizer,
+            (task.train_texts, task.train_labels),
+            (task.test_texts, task.test_labels),
+            task.label_names,
+            clf_settings,
+            clf_dir,
+            lora=True,
+            config_overrides=overrides,
+        )
+        majority, baseline = task.majority_baseline()
+        print(f"      test accuracy {clf['test_accuracy']:.3f} vs majority-class baseline {baseline:.3f} ({majority})")
+        from transformers import AutoConfig
+
+        write_model_card(
+            clf_dir,
+            title="hf_tfm demo classifier: which standard-library package is this docstring from?",
+            summary=(
+                "The demo causal LM's weights turned into a bidirectional encoder (`is_causal=False`, mean pooling) "
+                "and fine-tuned with LoRA adapters (q/k/v/o and MLP projections) plus a trained `score` head. "
+                "The folder holds the merged model; `adapter/` holds the PEFT adapter alone."
+            ),
+            config=AutoConfig.from_pretrained(clf_dir, trust_remote_code=True),
+            parameters=clf["parameters"],
+            data=[
+                f"Docstrings of {len(task.label_names)} standard-library packages: {', '.join(task.label_names)}.",
+                f"{len(task.train_texts)} train docstrings from {len(task.train_files)} files, "
+                f"{len(task.test_texts)} test docstrings from {len(task.test_files)} other files "
+                "(split by file: no file is on both sides).",
+            ],
+            settings={**clf_settings.as_dict(), "lora r": 8, "lora alpha": 16},
+            metrics={
+                "test accuracy": clf["test_accuracy"],
+                "majority-class baseline accuracy": baseline,
+                "test loss": clf["test_loss"],
+            },
+            pipeline_tag="text-classification",
+            auto_class="AutoModelForSequenceClassification",
+        )
+
+        print("[6/6] writing the loss curves and metrics")
+        plot = plot_loss_curves(
+            {"causal LM pretraining": lm["history"], "LoRA classifier fine-tuning": clf["history"]},
+            stage / "loss_curves.png",
+        )
+        metrics = {
+            "kind": "hf-tfm demo",
+            "profile": "quick" if args.quick else "full",
+            "seed": seed,
+            "lm": lm | {"folder": "lm", "settings": lm_settings.as_dict()},
+            "generations": dict(zip(DEMO_PROMPTS, reloaded["generations"], strict=True)),
+            "reloaded_class": reloaded["class"],
+            "classifier": clf
+            | {
+                "folder": "classifier",
+                "labels": task.label_names,
+                "baseline_accuracy": baseline,
+                "baseline_label": majority,
+                "train_files": len(task.train_files),
+                "test_files": len(task.test_files),
+                "settings": clf_settings.as_dict(),
+            },
+            "plot": plot.name,
+            "wall_seconds": round(time.perf_counter() - start, 1),
+            "torch_threads": __import__("torch").get_num_threads(),
+        }
+        (stage / "metrics.json").write_text(json.dumps(metrics, indent=2), encoding="utf-8")
+
+    wall = time.perf_counter() - start
+    print("\n" + "=" * 78)
+    print(f"hf-tfm demo finished in {wall / 60:.1f} min. Output: {out}")
+    print(f"  model folder (push-ready): {out / 'lm'}")
+    print(f"  held-out perplexity:       {lm['perplexity']:.2f} (loss {lm['eval_loss']:.3f})")
+    print("  sample generations (fresh process, trust_remote_code):")
+    for prompt, text in zip(DEMO_PROMPTS, reloaded["generations"], strict=True):
+        print(f"    {prompt!r} -> {(prompt + text)!r}")
+    print(
+        f"  classifier ({out / 'classifier'}): test accuracy {clf['test_accuracy']:.3f} "
+        f"vs majority baseline {baseline:.3f} on {len(task.label_names)} classes"
+    )
+    print(f"  loss curves: {out / 'loss_curves.png'}")
+    print(f"  metrics:     {out / 'metrics.json'}")
+    print(f"Next: hf-tfm generate {out / 'lm'} --prompt 'def '   |   hf-tfm push {out / 'lm'} --repo-id you/name")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# pretrain / finetune
+
+
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    from .data import load_texts
+    from .presets import load_config
+    from .recipes import check_output_dir, load_causal_lm, pretrain_causal_lm, staged_dir, write_model_card
+    from .tokenization import train_bpe_tokenizer
+
+    check_output_dir(args.output_dir, args.overwrite)
+    texts = load_texts(args.train_file, args.text_column)
+    if args.eval_file:
+        eval_texts = load_texts(args.eval_file, args.text_column)
+    else:
+        texts, eval_texts = _split_held_out(texts, 0.1, args.seed)
+    settings = _settings(args, max_steps=200, learning_rate=1e-3 if args.model is None else 3e-4)
+    if args.model:
+        if Path(args.model).exists():  # otherwise a Hub id, resolved by from_pretrained
+            _require_model_dir(args.model)
+        tokenizer = _load_tokenizer(args.model)
+        model = load_causal_lm(args.model)
+        source = f"continued from `{args.model}`"
+    else:
+        tokenizer = train_bpe_tokenizer(texts, vocab_size=args.vocab_size)
+        model = load_config(
+            args.config,
+            vocab_size=len(tokenizer),
+            max_position_embeddings=max(settings.seq_len, 64),
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        if not model.is_causal:
+            raise CliError(f"--config {args.config} is an encoder (is_causal=False); pretrain needs a decoder")
+        source = f"from scratch, config `{args.config}`"
+    with staged_dir(args.output_dir, overwrite=args.overwrite) as stage:
+        result = pretrain_causal_lm(model, tokenizer, texts, eval_texts, settings, stage)
+        from transformers import AutoConfig
+
+        write_model_card(
+            stage,
+            title=f"Causal LM trained with hf-tfm on {Path(args.train_file).name}",
+            summary=f"Trained {source} with `hf-tfm pretrain`.",
+            config=AutoConfig.from_pretrained(stage, trust_remote_code=True),
+            parameters=result["parameters"],
+            data=[
+                f"train: `{args.train_file}` ({len(texts)} texts, {result['train_tokens']:,} tokens)",
+                f"held out: `{args.eval_file or 'a 10% split of the train file'}` ({result['eval_tokens']:,} tokens)",
+            ],
+            settings=settings.as_dict(),
+            metrics={"held-out loss": result["eval_loss"], "perplexity": result["perplexity"]},
+            pipeline_tag="text-generation",
+            auto_class="AutoModelForCausalLM",
+        )
+        (stage / "metrics.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
+    print(f"saved {args.output_dir}: held-out loss {result['eval_loss']:.3f}, perplexity {result['perplexity']:.2f}")
+    return 0
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    from collections import Counter
+
+    from .data import load_labelled
+    from .presets import load_config
+    from .recipes import check_output_dir, finetune_classifier, staged_dir, write_model_card
+    from .tokenization import train_bpe_tokenizer
+
+    check_output_dir(args.output_dir, args.overwrite)
+    texts, labels = load_labelled(args.train_file, args.text_column, args.label_column)
+    label_names = sorted(set(labels))
+    if args.eval_file:
+        eval_texts, eval_labels = load_labelled(args.eval_file, args.text_column, args.label_column, label_names)
+    else:
+        texts, eval_texts = _split_held_out(list(zip(texts, labels, strict=True)), 0.2, args.seed)
+        texts, labels = [t for t, _ in texts], [label for _, label in texts]
+        eval_texts, eval_labels = [t for t, _ in eval_texts], [label for _, label in eval_texts]
+    to_id = {name: i for i, name in enumerate(label_names)}
+    train_ids, eval_ids = [to_id[x] for x in labels], [to_id[x] for x in eval_labels]
+    lora = args.lora if args.lora is not None else args.model is not None
+    settings = _settings(args, max_steps=200, learning_rate=2e-3 if lora else 1e-3, seq_len=128)
+    if args.model:
+        if Path(args.model).exists():  # otherwise a Hub id, resolved by from_pretrained
+            _require_model_dir(args.model)
+        tokenizer = _load_tokenizer(args.model)
+        model: Any = args.model
+        source = f"fine-tuned from `{args.model}`"
+    else:
+        tokenizer = train_bpe_tokenizer(texts, vocab_size=args.vocab_size)
+        model = load_config(
+            args.config,
+            vocab_size=len(tokenizer),
+            max_position_embeddings=max(settings.seq_len, 64),
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        source = f"trained from scratch, config `{args.config}`"
+    majority = Counter(train_ids).most_common(1)[0][0]
+    baseline = sum(x == majority for x in eval_ids) / len(eval_ids)
+    with staged_dir(args.output_dir, overwrite=args.overwrite) as stage:
+        result = finetune_classifier(
+            model, tokenizer, (texts, train_ids), (eval_texts, eval_ids), label_names, settings, stage, lora=lora
+        )
+        result["baseline_accuracy"] = baseline
+        from transformers import AutoConfig
+
+        write_model_card(
+            stage,
+            title=f"Sequence classifier trained with hf-tfm on {Path(args.train_file).name}",
+            summary=f"{source.capitalize()} with `hf-tfm finetune`{' (LoRA)' if lora else ''}.",
+            config=AutoConfig.from_pretrained(stage, trust_remote_code=True),
+            parameters=result["parameters"],
+            data=[
+                f"train: `{args.train_file}` ({len(texts)} examples), labels: {', '.join(label_names)}",
+                f"eval: `{args.eval_file or 'a 20% split of the train file'}` ({len(eval_texts)} examples)",
+            ],
+            settings=settings.as_dict() | {"lora": lora},
+            metrics={"eval accuracy": result["test_accuracy"], "majority-class baseline accuracy": baseline},
+            pipeline_tag="text-classification",
+            auto_class="AutoModelForSequenceClassification",
+        )
+        (stage / "metrics.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
+    print(
+        f"saved {args.output_dir}: eval accuracy {result['test_accuracy']:.3f} "
+        f"(majority-class baseline {baseline:.3f}, {len(label_names)} classes)"
+    )
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# generate / classify
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import TextStreamer
+
+    from .recipes import load_causal_lm
+
+    _require_model_dir(args.model)
+    tokenizer = _load_tokenizer(args.model)
+    model = load_causal_lm(args.model).eval()
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    options: dict[str, Any] = {"max_new_tokens": args.max_new_tokens}
+    if args.greedy:
+        options["do_sample"] = False
+    else:
+        options.update(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.repetition_penalty is not None:
+        options["repetition_penalty"] = args.repetition_penalty
+    inputs = tokenizer(args.prompt, return_tensors="pt")
+    streamer = None if args.no_stream else TextStreamer(tokenizer, skip_special_tokens=True)
+    with torch.no_grad():
+        output = model.generate(**inputs, streamer=streamer, **options)
+    if args.no_stream:
+        print(tokenizer.decode(output[0], skip_special_tokens=True))
+    return 0
+
+
+def cmd_classify(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from .data import load_texts
+
+    _require_model_dir(args.model)
+    texts = list(args.texts)
+    if args.file:
+        texts += load_texts(args.file, args.text_column)
+    if not texts:
+        raise CliError("give texts to classify as arguments or with --file")
+    tokenizer = _load_tokenizer(args.model)
+    model = AutoModelForSequenceClassification.from_pretrained(args.model, trust_remote_code=True).eval()
+    id2label = model.config.id2label
+    results = []
+    with torch.no_grad():
+        for start in range(0, len(texts), args.batch_size):
+            batch = texts[start : start + args.batch_size]
+            enc = tokenizer(batch, truncation=True, max_length=args.max_length, padding=True, return_tensors="pt")
+            probs = model(**enc).logits.softmax(-1)
+            for text, row in zip(batch, probs, strict=True):
+                top = row.topk(min(args.top_k, row.numel()))
+                labels = [
+                    {"label": id2label[i.item()], "score": round(s.item(), 4)}
+                    for s, i in zip(top.values, top.indices, strict=True)
+                ]
+                results.append({"text": text, "label": labels[0]["label"], "score": labels[0]["score"], "top": labels})
+    for r in results:
+        if args.json:
+            print(json.dumps(r))
+        else:
+            print(f"{r['label']}\t{r['score']:.4f}\t{r['text'][:80]!r}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# push / info / convert
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    folder = _require_model_dir(args.folder)
+    if "/" not in args.repo_id and not args.repo_id.strip():
+        raise CliError("--repo-id must be a repository id such as user/name")
+    api = HfApi(token=args.token)
+    try:
+        repo = api.create_repo(args.repo_id, private=args.private, exist_ok=True, repo_type="model")
+        commit = api.upload_folder(
+            folder_path=str(folder),
+            repo_id=args.repo_id,
+            repo_type="model",
+            revision=args.revision,
+            commit_message=args.commit_message,
+            ignore_patterns=[".*", "__pycache__/*", "*.pyc"],
+        )
+    except (HfHubHTTPError, OSError, ValueError) as err:
+        raise CliError(f"upload to {args.repo_id} failed: {err}") from err
+    except Exception as err:  # connection errors come from httpx, whose types huggingface_hub does not wrap
+        raise CliError(f"upload to {args.repo_id} failed: {type(err).__name__}: {err}") from err
+    print(f"pushed {folder} to {repo}")
+    print(f"commit: {getattr(commit, 'commit_url', commit)}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from .info import describe
+
+    report = describe(args.target)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+        return 0
+    print(f"{report['source']}")
+    print(f"  parameters: {report['parameters']:,} ({report['kind']})")
+    print("  config:")
+    for key, value in report["config"].items():
+        print(f"    {key}: {value}")
+    print("  integrations:")
+    for group, entries in report["integrations"].items():
+        print(f"    {group}:")
+        for name, (ok, why) in entries.items():
+            print(f"      {'yes' if ok else 'no ':3} {name}{': ' + why if why else ''}")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .recipes import staged_dir
+
+    try:
+        from .convert import convert_path
+    except ImportError as err:
+        raise CliError(f"conversion is not available in this installation ({err})") from err
+    if not Path(args.src).exists() and "/" not in args.src:
+        raise CliError(f"{args.src}: no such model folder")
+    with staged_dir(args.dst, overwrite=args.overwrite) as stage:
+        result = convert_path(args.src, stage)
+    print(f"converted {args.src} -> {args.dst} ({type(result).__name__}, model_type {result.config.model_type})")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Parser
+
+
+def _add_training_args(p: argparse.ArgumentParser, labelled: bool) -> None:
+    data = p.add_argument_group("data")
+    data.add_argument("--train-file", required=True, help=".txt (one text per line), .jsonl/.json or .csv")
+    data.add_argument("--eval-file", help="held-out file in the same format (default: a split of --train-file)")
+    data.add_argument("--text-column", default="text", help="column holding the text (default: text)")
+    if labelled:
+        data.add_argument("--label-column", default="label", help="column holding the label (default: label)")
+    model = p.add_argument_group("model")
+    source = model.add_mutually_exclusive_group()
+    default = "tiny-encoder" if labelled else "tiny-decoder"
+    source.add_argument("--config", default=default, help=f"preset name or JSON file (default: {default})")
+    source.add_argument("--model", help="start from this checkpoint folder (its tokenizer is reused)")
+    model.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary when training from scratch")
+    if labelled:
+        lora = model.add_mutually_exclusive_group()
+        lora.add_argument("--lora", dest="lora", action="store_true", default=None, help="LoRA (default with --model)")
+        lora.add_argument("--no-lora", dest="lora", action="store_false", help="full fine-tuning")
+    p.add_argument("--output-dir", required=True, help="folder to write (refused if it holds a model)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output-dir")
+    train = p.add_argument_group("training")
+    train.add_argument("--max-steps", type=int, help="optimizer steps (default 200; wins over --epochs)")
+    train.add_argument("--epochs", type=float, help="epochs, when --max-steps is not given")
+    train.add_argument("--lr", dest="learning_rate", type=float, help="peak learning rate (cosine schedule)")
+    train.add_argument("--batch-size", type=int, help="per-device batch size (default 16)")
+    train.add_argument("--seq-len", type=int, help="tokens per training sequence (default 128)")
+    train.add_argument("--warmup-steps", type=int, help="linear warm-up steps (default 5%% of the steps)")
+    train.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `hf-tfm` argument parser with all subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="hf-tfm",
+        description="Train, use and share hf_tfm transformers.",
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="more logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("demo", help="the main job, end to end on the Python standard library (no downloads)")
+    p.add_argument("--quick", action="store_true", help="a small run, under 2 minutes")
+    p.add_argument("--output-dir", default="hf-tfm-demo", help="default: ./hf-tfm-demo (a previous demo is replaced)")
+    p.add_argument("--overwrite", action="store_true", help="replace an --output-dir that is not a previous demo")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("pretrain", help="train a causal LM on your text")
+    _add_training_args(p, labelled=False)
+    p.set_defaults(func=cmd_pretrain)
+
+    p = sub.add_parser("finetune", help="train a sequence classifier on your labelled data")
+    _add_training_args(p, labelled=True)
+    p.set_defaults(func=cmd_finetune)
+
+    p = sub.add_parser("generate", help="continue a prompt with a causal LM folder, streaming tokens")
+    p.add_argument("model", help="model folder (with tokenizer)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--repetition-penalty", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--no-stream", action="store_true", help="print the text once at the end")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("classify", help="labels and scores from a classifier folder")
+    p.add_argument("model", help="classifier folder (with tokenizer)")
+    p.add_argument("texts", nargs="*", help="texts to classify")
+    p.add_argument("--file", help="also classify the texts of this .txt/.jsonl/.csv file")
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--top-k", type=int, default=1, help="labels to report per text (with --json)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.set_defaults(func=cmd_classify)
+
+    p = sub.add_parser("push", help="upload a model folder to the Hugging Face Hub")
+    p.add_argument("folder")
+    p.add_argument("--repo-id", required=True, help="user/name")
+    p.add_argument("--private", action="store_true")
+    p.add_argument("--revision", help="branch to commit to (default: main)")
+    p.add_argument("--commit-message", default="Upload hf_tfm model")
+    p.add_argument("--token", help="default: HF_TOKEN or the cached login")
+    p.set_defaults(func=cmd_push)
+
+    p = sub.add_parser("info", help="config, parameter count and supported integrations of a folder or preset")
+    p.add_argument("target", help="model folder, config JSON or preset name")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("convert", help="convert between hf_tfm and an in-tree transformers family")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `hf-tfm` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # PEFT calls a transformers API that 5.x renamed; the warning is not actionable for users of the CLI.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("hf_tfm").setLevel(logging.INFO if args.verbose else logging.WARNING)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_info() if args.verbose else hf_logging.set_verbosity_error()
+    hf_logging.enable_progress_bar()
+
+    from .data import DataError
+    from .recipes import OutputDirError
+
+    def _terminate(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # unwinds through staged_dir, which deletes the half-written folder
+
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if on_main_thread else None
+    try:
+        return args.func(args) or 0
+    except (CliError, DataError, OutputDirError) as err:
+        print(f"hf-tfm {args.command}: error: {err}", file=sys.stderr)
+        return 1
+    except (ValueError, RuntimeError, OSError) as err:  # bad configs (ValueError), unloadable checkpoints (OSError)
+        print(f"hf-tfm {args.command}: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"hf-tfm {args.command}: interrupted; no output folder was left behind", file=sys.stderr)
+        return 130
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""`hf-tfm info`: what a config is, how big it is, and which transformers integrations it supports (and why not).
+
+Every answer is computed from the config and the installed packages; nothing is loaded onto a device (the parameter
+count builds the model on the meta device).
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import modeling
+from .configuration import TfmConfig
+from .presets import PRESETS, load_config
+
+Support = tuple[bool, str]
+
+
+def _load(target: str) -> tuple[TfmConfig, str, str]:
+    """The config, a description of where it came from, and the head class name to count parameters for."""
+    if target in PRESETS:
+        config = load_config(target)
+        return config, f"preset {target!r}", "TfmForCausalLM" if config.is_causal else "TfmModel"
+    path = Path(target)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise ValueError(f"{target!r} is neither a preset ({', '.join(PRESETS)}) nor a model folder or config JSON")
+    raw = json.loads(config_file.read_text(encoding="utf-8"))
+    if raw.get("model_type") != TfmConfig.model_type:
+        raise ValueError(
+            f"{target}: model_type {raw.get('model_type')!r} is not {TfmConfig.model_type!r}; "
+            f"convert it first with `hf-tfm convert {target} DST`"
+        )
+    config = load_config(config_file)
+    architecture = (raw.get("architectures") or ["TfmForCausalLM" if config.is_causal else "TfmModel"])[0]
+    if not hasattr(modeling, architecture):
+        architecture = "TfmForCausalLM" if config.is_causal else "TfmModel"
+    return config, f"{'folder' if path.is_dir() else 'config file'} {target}", architecture
+
+
+def _attention_backends(config: TfmConfig) -> dict[str, Support]:
+    from transformers.utils import is_flash_attn_2_available, is_torch_flex_attn_available
+
+    alibi = config.position_embedding_type == "alibi"
+    backends: dict[str, Support] = {"eager": (True, "reference implementation")}
+    backends["sdpa"] = (
+        (True, "torch.nn.functional.scaled_dot_product_attention")
+        if hasattr(torch.nn.functional, "scaled_dot_product_attention")
+        else (False, "this torch has no scaled_dot_product_attention")
+    )
+    if not is_torch_flex_attn_available():
+        backends["flex_attention"] = (False, f"needs torch >= 2.5 (installed {torch.__version__})")
+    else:
+        note = "" if torch.cuda.is_available() else "CPU: forward only (no backward without a GPU)"
+        backends["flex_attention"] = (True, note)
+    if alibi:
+        backends["flash_attention_2"] = (False, "ALiBi needs an additive bias, which flash kernels do not take")
+    elif not torch.cuda.is_available():
+        backends["flash_attention_2"] = (False, "needs a CUDA GPU and the flash-attn package; none here")
+    elif not is_flash_attn_2_available():
+        backends["flash_attention_2"] = (False, "the flash-attn package is not installed")
+    else:
+        backends["flash_attention_2"] = (True, "")
+    return backends
+
+
+def _caches(config: TfmConfig) -> dict[str, Support]:
+    if not config.is_causal:
+        reason = "an encoder (is_causal=False) does not generate, so it keeps no KV cache"
+        return dict.fromkeys(("dynamic", "static", "offloaded", "quantized"), (False, reason))
+    sliding = "sliding_attention" in config.layer_types
+    caches: dict[str, Support] = {
+        "dynamic": (True, "sliding-window layers keep only the window" if sliding else "default"),
+        "static": (True, "fixed shapes for torch.compile (cache_implementation='static')"),
+        "offloaded": (True, "layers' KV moved to CPU between steps; useful with a GPU"),
+    }
+    backends = [name for name in ("optimum.quanto", "hqq") if _has_module(name)]
+    caches["quantized"] = (
+        (True, f"backend: {', '.join(backends)}")
+        if backends
+        else (False, "needs optimum-quanto or hqq installed (neither is)")
+    )
+    return caches
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _export(config: TfmConfig, architecture: str) -> dict[str, Support]:
+    try:
+        from .convert import export_blockers
+    except ImportError as err:
+        return {"in-tree families": (False, f"hf_tfm.convert is not available ({err})")}
+    head = {
+        "TfmForCausalLM": "causal_lm",
+        "TfmForSequenceClassification": "sequence_classification",
+        "TfmForTokenClassification": "token_classification",
+        "TfmForMaskedLM": "masked_lm",
+    }.get(architecture, "base")
+    try:
+        blockers = export_blockers(config, head)
+    except Exception as err:  # the converter is another module's contract; report rather than crash
+        return {"in-tree families": (False, f"hf_tfm.convert.export_blockers failed: {err}")}
+    return {family: (not found, "; ".join(found)) for family, found in blockers.items()}
+
+
+def describe(target: str) -> dict[str, Any]:
+    """A JSON-able report on a preset, config JSON or model folder: config, parameters, integration support."""
+    config, source, architecture = _load(target)
+    with torch.device("meta"):
+        model = getattr(modeling, architecture)(config)
+    parameters = sum(p.numel() for p in model.parameters())
+    shown = {k: v for k, v in config.to_diff_dict().items() if k not in ("auto_map", "transformers_version")}
+    integrations = {
+        "attention backends": _attention_backends(config),
+        "cache types": _caches(config),
+        "export to in-tree transformers": _export(config, architecture),
+        "training": {
+            "gradient checkpointing": (True, ""),
+            "PEFT LoRA": (True, "target_modules q_proj/k_proj/v_proj/o_proj/... or 'all-linear'"),
+            "tensor parallel plan": (True, "base_model_tp_plan (DistributedConfig(tp_size=...))"),
+        },
+    }
+    return {
+        "source": source,
+        "architecture": architecture,
+        "kind": "decoder" if config.is_causal else "encoder",
+        "parameters": parameters,
+        "config": shown,
+        "integrations": integrations,
+    }
+
+
+__all__ = ["describe"]

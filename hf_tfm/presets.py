@@ -1,0 +1,129 @@
+"""Named TfmConfig presets for `hf-tfm --config NAME`: a few useful starting points, not a zoo.
+
+Each preset is a dict of `TfmConfig` fields; `load_config` turns a preset name or a JSON file into a config and applies
+overrides (the tokenizer's vocabulary size and special ids, for example). `vocab_size` in a preset is only a
+placeholder: the training commands set it from the tokenizer.
+"""
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .configuration import TfmConfig
+
+_LLAMA = {"position_embedding_type": "rope", "norm_type": "rmsnorm", "ffn_type": "glu", "hidden_act": "silu"}
+_GPT2 = {
+    "position_embedding_type": "learned",
+    "norm_type": "layernorm",
+    "ffn_type": "mlp",
+    "hidden_act": "gelu_new",
+    "attention_bias": True,
+    "mlp_bias": True,
+    "norm_eps": 1e-5,
+}
+_BERT = {
+    "is_causal": False,
+    "position_embedding_type": "learned",
+    "norm_type": "layernorm",
+    "norm_position": "post",
+    "embedding_norm": True,
+    "ffn_type": "mlp",
+    "hidden_act": "gelu",
+    "attention_bias": True,
+    "mlp_bias": True,
+    "norm_eps": 1e-12,
+    "type_vocab_size": 2,
+    "hidden_dropout": 0.1,
+    "attention_dropout": 0.1,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # decoders
+    "tiny-decoder": {**_LLAMA, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4},
+    "small-decoder": {
+        **_LLAMA,
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
+    "llama-style": {
+        **_LLAMA,
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 4096,
+    },
+    "gpt2-style": {
+        **_GPT2,
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "max_position_embeddings": 1024,
+    },
+    # encoders
+    "tiny-encoder": {
+        **_LLAMA,
+        "is_causal": False,
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "classifier_pooling": "mean",
+    },
+    "small-encoder": {
+        **_LLAMA,
+        "is_causal": False,
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "classifier_pooling": "mean",
+    },
+    "bert-style": {
+        **_BERT,
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "max_position_embeddings": 512,
+    },
+}
+
+
+def preset_names() -> list[str]:
+    """The preset names, in declaration order."""
+    return list(PRESETS)
+
+
+def load_config(name_or_path: str | os.PathLike, **overrides: Any) -> TfmConfig:
+    """A `TfmConfig` from a preset name, a JSON file, or a model folder holding `config.json`; `overrides` win.
+
+    Raises `ValueError` with the list of presets when the name is neither a preset nor an existing file.
+    """
+    key = str(name_or_path)
+    if key in PRESETS:
+        fields: dict[str, Any] = dict(PRESETS[key])
+    else:
+        path = Path(key)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(f"unknown config {key!r}: not a preset ({', '.join(PRESETS)}) and not a JSON file")
+        try:
+            fields = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON: {err}") from err
+        if not isinstance(fields, dict):
+            raise ValueError(f"{path} must hold a JSON object of TfmConfig fields")
+        model_type = fields.pop("model_type", TfmConfig.model_type)
+        if model_type != TfmConfig.model_type:
+            raise ValueError(f"{path} describes a {model_type!r} model, not {TfmConfig.model_type!r}")
+        for key_to_drop in ("architectures", "auto_map", "transformers_version", "dtype"):
+            fields.pop(key_to_drop, None)
+    fields.update(overrides)
+    if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+        fields.pop("layer_types", None)
+    return TfmConfig(**fields)
+
+
+__all__ = ["PRESETS", "load_config", "preset_names"]

@@ -1,0 +1,546 @@
+"""The steps behind `hf-tfm`: staged output folders, causal-LM pretraining, classifier fine-tuning (full or LoRA),
+fresh-process generation, model cards and loss curves. The CLI strings these together; each is usable on its own.
+
+Every folder is written under a hidden temporary name next to its target and renamed into place only when complete,
+so an interrupted or failed run never leaves a folder that looks like a finished model.
+"""
+
+import json
+import logging
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    DataCollatorWithPadding,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Trainer,
+    TrainingArguments,
+    default_data_collator,
+)
+
+from . import TfmConfig, TfmForCausalLM, TfmForSequenceClassification
+
+logger = logging.getLogger(__name__)
+
+MODEL_MARKERS = ("config.json", "adapter_config.json", "model.safetensors", "pytorch_model.bin", "tokenizer.json")
+
+
+class OutputDirError(ValueError):
+    """The output folder cannot be written (it holds another model and --overwrite was not given, ...)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Output folders
+
+
+def check_output_dir(
+    dst: str | os.PathLike, overwrite: bool = False, replaceable: Callable[[Path], bool] | None = None
+):
+    """Refuse a target that exists with content, unless `overwrite` or `replaceable(dst)` says it may be replaced."""
+    dst = Path(dst)
+    if not dst.exists():
+        return
+    if not dst.is_dir():
+        raise OutputDirError(f"{dst} exists and is not a directory")
+    if not any(dst.iterdir()) or overwrite or (replaceable is not None and replaceable(dst)):
+        return
+    what = "another model" if any((dst / m).exists() for m in MODEL_MARKERS) else "other files"
+    raise OutputDirError(f"{dst} already holds {what}; choose another --output-dir or pass --overwrite to replace it")
+
+
+@contextmanager
+def staged_dir(
+    dst: str | os.PathLike, overwrite: bool = False, replaceable: Callable[[Path], bool] | None = None
+) -> Iterator[Path]:
+    """Yield a fresh hidden folder next to `dst`; on success it replaces `dst`, on any error it is deleted."""
+    dst = Path(dst).resolve()
+    check_output_dir(dst, overwrite, replaceable)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the finished folder gets the usual permissions
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old-{uuid.uuid4().hex[:8]}")
+        dst.rename(old)
+        tmp.rename(dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(dst)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training settings and data sets
+
+
+@dataclass
+class TrainSettings:
+    """The Trainer knobs the CLI exposes. `max_steps > 0` wins over `epochs`."""
+
+    max_steps: int = 200
+    epochs: float = 1.0
+    learning_rate: float = 1e-3
+    batch_size: int = 16
+    seq_len: int = 128
+    seed: int = 0
+    warmup_steps: int | None = None  # None: 5% of the steps
+    weight_decay: float = 0.01
+    evals: int = 4  # held-out evaluations during training (LM), for the loss curve
+    logging_steps: int | None = None  # None: about 25 points per run
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as they take effect (no `epochs` when `max_steps` wins; the warm-up default spelled out)."""
+        values = asdict(self)
+        if self.max_steps > 0:
+            values.pop("epochs")
+        if self.warmup_steps is None:
+            values["warmup_steps"] = "5% of the steps"
+        if self.logging_steps is None:
+            values.pop("logging_steps")
+        return values
+
+
+class _Examples(torch.utils.data.Dataset):
+    def __init__(self, rows: list[dict[str, Any]]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.rows[index]
+
+
+def pack_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str], seq_len: int) -> list[list[int]]:
+    """Tokenise `texts` (each starts with `<s>`), join them with `</s>` and cut the stream into `seq_len` blocks."""
+    stream: list[int] = []
+    eos = tokenizer.eos_token_id
+    backend = tokenizer.backend_tokenizer
+    for start in range(0, len(texts), 512):
+        for encoding in backend.encode_batch(texts[start : start + 512]):
+            stream.extend(encoding.ids)
+            stream.append(eos)
+    return [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
+
+
+def _training_args(
+    settings: TrainSettings, scratch: Path, total_steps: int, eval_steps: int | None
+) -> TrainingArguments:
+    warmup = settings.warmup_steps if settings.warmup_steps is not None else max(1, total_steps // 20)
+    logging_steps = settings.logging_steps or max(1, total_steps // 25)
+    return TrainingArguments(
+        output_dir=str(scratch),
+        max_steps=settings.max_steps if settings.max_steps > 0 else -1,
+        num_train_epochs=settings.epochs,
+        per_device_train_batch_size=settings.batch_size,
+        per_device_eval_batch_size=settings.batch_size,
+        learning_rate=settings.learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=warmup,
+        weight_decay=settings.weight_decay,
+        logging_steps=logging_steps,
+        eval_strategy="steps" if eval_steps else "no",
+        eval_steps=eval_steps,
+        save_strategy="no",
+        report_to="none",
+        seed=settings.seed,
+        data_seed=settings.seed,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=torch.cuda.is_available(),
+        disable_tqdm=False,
+    )
+
+
+def _total_steps(settings: TrainSettings, num_examples: int) -> int:
+    if settings.max_steps > 0:
+        return settings.max_steps
+    return max(1, math.ceil(settings.epochs * math.ceil(num_examples / settings.batch_size)))
+
+
+def loss_history(trainer: Trainer) -> dict[str, list[list[float]]]:
+    """`{"train": [[step, loss], ...], "eval": [[step, eval_loss], ...]}` from the Trainer's log history."""
+    history: dict[str, list[list[float]]] = {"train": [], "eval": []}
+    for entry in trainer.state.log_history:
+        if "loss" in entry:
+            history["train"].append([entry["step"], entry["loss"]])
+        if "eval_loss" in entry:
+            history["eval"].append([entry["step"], entry["eval_loss"]])
+    return history
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Causal LM
+
+
+def pretrain_causal_lm(
+    model: PreTrainedModel | TfmConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    train_texts: list[str],
+    eval_texts: list[str],
+    settings: TrainSettings,
+    out_dir: str | os.PathLike,
+) -> dict[str, Any]:
+    """Train a causal LM (a new `TfmForCausalLM` when given a config) on packed blocks, save it to `out_dir`.
+
+    Saves weights (safetensors), config with `auto_map`, code, tokenizer and generation config. Returns the metrics:
+    held-out loss and perplexity, token counts, the loss history and the parameter count.
+    """
+    out_dir = Path(out_dir)
+    train_blocks = pack_texts(tokenizer, train_texts, settings.seq_len)
+    eval_blocks = pack_texts(tokenizer, eval_texts, settings.seq_len)
+    if not train_blocks:
+        raise ValueError(f"the training text is shorter than one block of --seq-len {settings.seq_len} tokens")
+    if not eval_blocks:
+        raise ValueError(f"the held-out text is shorter than one block of --seq-len {settings.seq_len} tokens")
+    torch.manual_seed(settings.seed)
+    if isinstance(model, TfmConfig):
+        model = TfmForCausalLM(model)
+    total = _total_steps(settings, len(train_blocks))
+    eval_steps = max(1, total // max(settings.evals, 1))
+    rows = lambda blocks: _Examples([{"input_ids": b, "labels": b} for b in blocks])  # noqa: E731
+    with tempfile.TemporaryDirectory(prefix="hf-tfm-trainer-") as scratch:
+        trainer = Trainer(
+            model=model,
+            args=_training_args(settings, Path(scratch), total, eval_steps),
+            train_dataset=rows(train_blocks),
+            eval_dataset=rows(eval_blocks),
+            data_collator=default_data_collator,
+        )
+        trainer.train()
+        final = trainer.evaluate()
+    history = loss_history(trainer)
+    if not history["eval"] or history["eval"][-1][0] != trainer.state.global_step:
+        history["eval"].append([trainer.state.global_step, final["eval_loss"]])
+    model.config.use_cache = True  # Trainer turned it off for training; generation wants it back
+    model.generation_config = GenerationConfig(
+        do_sample=True,
+        temperature=0.8,
+        top_k=50,
+        top_p=0.95,
+        max_new_tokens=64,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return {
+        "eval_loss": final["eval_loss"],
+        "perplexity": math.exp(min(final["eval_loss"], 50.0)),
+        "train_loss": history["train"][-1][1] if history["train"] else None,
+        "steps": trainer.state.global_step,
+        "train_tokens": len(train_blocks) * settings.seq_len,
+        "eval_tokens": len(eval_blocks) * settings.seq_len,
+        "parameters": model.num_parameters(),
+        "history": history,
+    }
+
+
+GENERATE_CODE = r"""
+import sys; sys.modules["hf_tfm"] = None  # prove the folder stands alone: only its own copied code may be used
+import json
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+folder, prompts, max_new_tokens, seed = json.loads(sys.argv[1])
+tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+outputs = []
+for prompt in prompts:
+    torch.manual_seed(seed)
+    inputs = tokenizer(prompt, return_tensors="pt")
+    ids = model.generate(**inputs, max_new_tokens=max_new_tokens)
+    outputs.append(tokenizer.decode(ids[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+print(json.dumps({"class": type(model).__module__ + "." + type(model).__name__, "generations": outputs}))
+"""
+
+
+def generate_in_fresh_process(
+    folder: str | os.PathLike, prompts: list[str], max_new_tokens: int = 40, seed: int = 0, timeout: float = 300.0
+) -> dict[str, Any]:
+    """Load `folder` with `AutoModelForCausalLM(trust_remote_code=True)` in a new Python where `hf_tfm` cannot be
+    imported, and sample a continuation of each prompt. Returns `{"class": ..., "generations": [...]}`."""
+    with tempfile.TemporaryDirectory(prefix="hf-tfm-modules-") as modules:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": modules, "TOKENIZERS_PARALLELISM": "false"}
+        result = subprocess.run(
+            [sys.executable, "-c", GENERATE_CODE, json.dumps([str(folder), prompts, max_new_tokens, seed])],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    lines = result.stdout.strip().splitlines()
+    if result.returncode != 0 or not lines or not lines[-1].startswith("{"):
+        raise RuntimeError(
+            f"reloading {folder} in a fresh process failed (exit {result.returncode}):\n"
+            f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+        )
+    return json.loads(lines[-1])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sequence classification
+
+
+def finetune_classifier(
+    model: PreTrainedModel | TfmConfig | str | os.PathLike,
+    tokenizer: PreTrainedTokenizerBase,
+    train: tuple[list[str], list[int]],
+    test: tuple[list[str], list[int]],
+    label_names: list[str],
+    settings: TrainSettings,
+    out_dir: str | os.PathLike,
+    lora: bool = False,
+    lora_r: int = 8,
+    config_overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Fine-tune a sequence classifier (fully, or with LoRA adapters plus a trained `score` head) and save it.
+
+    `model` is a config (new model), a model, or a checkpoint path/id; a causal-LM checkpoint gets a fresh `score`
+    head. With LoRA the folder holds the merged model (loadable by `AutoModelForSequenceClassification`) and the
+    adapter alone in `adapter/`. Returns test accuracy, loss history and sizes.
+    """
+    out_dir = Path(out_dir)
+    num_labels = len(label_names)
+    label_kwargs = {
+        "num_labels": num_labels,
+        "id2label": dict(enumerate(label_names)),
+        "label2id": {name: i for i, name in enumerate(label_names)},
+    }
+    torch.manual_seed(settings.seed)
+    if isinstance(model, TfmConfig):
+        for key, value in label_kwargs.items():
+            setattr(model, key, value)
+        model = TfmForSequenceClassification(model)
+    elif not isinstance(model, PreTrainedModel):
+        model = AutoModelForSequenceClassification.from_pretrained(
+            model, trust_remote_code=True, **label_kwargs, **(config_overrides or {})
+        )
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+
+    def encode(texts: list[str], labels: list[int]) -> _Examples:
+        enc = tokenizer(texts, truncation=True, max_length=settings.seq_len)
+        return _Examples(
+            [
+                {"input_ids": ids, "attention_mask": mask, "labels": label}
+                for ids, mask, label in zip(enc["input_ids"], enc["attention_mask"], labels, strict=True)
+            ]
+        )
+
+    train_set, test_set = encode(*train), encode(*test)
+    trainable = model
+    if lora:
+        from peft import LoraConfig, TaskType, get_peft_model
+
+        names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+        present = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        targets = [n for n in present if n in names] or "all-linear"
+        lora_config = LoraConfig(
+            task_type=TaskType.SEQ_CLS, r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.05, target_modules=targets
+        )
+        trainable = get_peft_model(model, lora_config)
+    trainable_params, all_params = (
+        sum(p.numel() for p in trainable.parameters() if p.requires_grad),
+        sum(p.numel() for p in trainable.parameters()),
+    )
+    logger.info("classifier: %d of %d parameters trainable (lora=%s)", trainable_params, all_params, lora)
+    total = _total_steps(settings, len(train_set))
+    with tempfile.TemporaryDirectory(prefix="hf-tfm-trainer-") as scratch:
+        trainer = Trainer(
+            model=trainable,
+            args=_training_args(settings, Path(scratch), total, None),
+            train_dataset=train_set,
+            data_collator=DataCollatorWithPadding(tokenizer),
+        )
+        trainer.train()
+        prediction = trainer.predict(test_set)
+    predicted = prediction.predictions
+    predicted = predicted[0] if isinstance(predicted, tuple) else predicted
+    predicted = predicted.argmax(-1).tolist()
+    accuracy = sum(p == t for p, t in zip(predicted, test[1], strict=True)) / max(len(test[1]), 1)
+    if lora:
+        trainable.save_pretrained(out_dir / "adapter")
+        model = trainable.merge_and_unload()
+    model.config.use_cache = True
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return {
+        "test_accuracy": accuracy,
+        "test_loss": prediction.metrics.get("test_loss"),
+        "train_examples": len(train_set),
+        "test_examples": len(test_set),
+        "steps": trainer.state.global_step,
+        "trainable_parameters": trainable_params,
+        "parameters": model.num_parameters(),  # after merging LoRA, as saved
+        "lora": lora,
+        "history": loss_history(trainer),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reports
+
+
+def plot_loss_curves(panels: dict[str, dict[str, list[list[float]]]], path: str | os.PathLike) -> Path:
+    """One panel per run, train loss (and held-out loss where present) against step, written as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (title, history) in zip(axes[0], panels.items(), strict=True):
+        for kind, style in (("train", "-"), ("eval", "o--")):
+            points = history.get(kind) or []
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], style, label=f"{kind} loss")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def architecture_summary(config: TfmConfig) -> list[tuple[str, Any]]:
+    """The config fields a reader of a model card wants, as (name, value) rows."""
+    keys = [
+        "is_causal",
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "max_position_embeddings",
+        "position_embedding_type",
+        "norm_type",
+        "norm_position",
+        "ffn_type",
+        "hidden_act",
+        "tie_word_embeddings",
+        "classifier_pooling",
+        "sliding_window",
+    ]
+    return [(k, getattr(config, k)) for k in keys if hasattr(config, k)]
+
+
+def write_model_card(
+    folder: str | os.PathLike,
+    *,
+    title: str,
+    summary: str,
+    config: TfmConfig,
+    parameters: int,
+    data: list[str],
+    settings: dict[str, Any],
+    metrics: dict[str, Any],
+    pipeline_tag: str,
+    auto_class: str,
+    extra: str = "",
+) -> Path:
+    """Write `README.md`: YAML metadata, architecture, data, training settings, metrics and how to load it."""
+    metric_rows = "\n".join(f"| {k} | {_fmt(v)} |" for k, v in metrics.items())
+    arch_rows = "\n".join(f"| `{k}` | {v} |" for k, v in architecture_summary(config))
+    setting_rows = "\n".join(f"| {k} | {v} |" for k, v in settings.items())
+    data_lines = "\n".join(f"- {line}" for line in data)
+    text = f"""---
+library_name: transformers
+pipeline_tag: {pipeline_tag}
+tags:
+- hf_tfm
+- custom_code
+---
+
+# {title}
+
+{summary}
+
+## Architecture
+
+An `hf_tfm` transformer ({"decoder" if config.is_causal else "encoder"}), {parameters:,} parameters. The modelling
+code ships in this folder (`configuration.py`, `modeling.py`), so it loads without installing `hf_tfm`.
+
+| field | value |
+|---|---|
+{arch_rows}
+
+## Data
+
+{data_lines}
+
+## Training settings
+
+| setting | value |
+|---|---|
+{setting_rows}
+
+## Metrics
+
+| metric | value |
+|---|---|
+{metric_rows}
+
+## Usage
+
+```python
+from transformers import {auto_class}, AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("path/or/repo-id", trust_remote_code=True)
+model = {auto_class}.from_pretrained("path/or/repo-id", trust_remote_code=True)
+```
+{extra}
+"""
+    path = Path(folder) / "README.md"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def load_causal_lm(path: str | os.PathLike) -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`."""
+    return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+
+
+__all__ = [
+    "OutputDirError",
+    "TrainSettings",
+    "check_output_dir",
+    "finetune_classifier",
+    "generate_in_fresh_process",
+    "loss_history",
+    "pack_texts",
+    "plot_loss_curves",
+    "pretrain_causal_lm",
+    "staged_dir",
+    "write_model_card",
+]

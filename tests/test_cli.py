@@ -1,0 +1,372 @@
+"""The `hf-tfm` command: the demo end to end (once), bad input, the user-data subcommands, and push to a fake Hub.
+
+The demo and push run as real subprocesses of the console script; everything else calls `hf_tfm.cli.main(argv)`
+in-process (each subprocess costs ~5 s of imports). Bad-input tests need no training: they fail before it starts.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run_without_hf_tfm
+from fake_hub import FakeHub
+
+from hf_tfm.cli import main
+
+SCRIPT = Path(sys.executable).with_name("hf-tfm")
+TINY_TRAIN = ["--max-steps", "4", "--batch-size", "4", "--seq-len", "32", "--vocab-size", "300"]
+
+
+def hf_tfm_command(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    command = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "hf_tfm.cli"]
+    return subprocess.run(
+        [*command, *args],
+        env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def no_partial_dirs(parent: Path) -> bool:
+    return not [p for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The main job: `hf-tfm demo --quick`, run once for the module
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "out"
+    result = hf_tfm_command("demo", "--quick", "--output-dir", str(out), timeout=600)
+    assert result.returncode == 0, f"demo failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return out, result.stdout
+
+
+@pytest.mark.slow
+def test_demo_prints_summary(demo):
+    out, stdout = demo
+    summary = stdout[stdout.index("hf-tfm demo finished") :]
+    for needle in ("model folder", str(out / "lm"), "perplexity", "sample generations", "test accuracy"):
+        assert needle in summary
+    assert "majority baseline" in summary and str(out / "loss_curves.png") in summary
+    assert no_partial_dirs(out.parent)
+
+
+@pytest.mark.slow
+def test_demo_model_folder_is_push_ready(demo):
+    lm = demo[0] / "lm"
+    for name in ("model.safetensors", "config.json", "configuration.py", "modeling.py", "tokenizer.json"):
+        assert (lm / name).is_file(), name
+    assert (lm / "generation_config.json").is_file() and (lm / "README.md").is_file()
+    config = json.loads((lm / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling.TfmForCausalLM"
+    assert config["architectures"] == ["TfmForCausalLM"] and config["use_cache"] is True
+
+
+@pytest.mark.slow
+def test_demo_folders_load_without_hf_tfm(demo, tmp_path):
+    out = demo[0]
+    stdout = run_without_hf_tfm(
+        f"""
+        import json, torch
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+        lm = AutoModelForCausalLM.from_pretrained({str(out / "lm")!r}, trust_remote_code=True)
+        tok = AutoTokenizer.from_pretrained({str(out / "lm")!r}, trust_remote_code=True)
+        ids = lm.generate(**tok("def ", return_tensors="pt"), max_new_tokens=8, do_sample=False)
+        clf = AutoModelForSequenceClassification.from_pretrained({str(out / "classifier")!r}, trust_remote_code=True)
+        logits = clf(**tok(["Return the event loop."], return_tensors="pt")).logits
+        print(json.dumps({{"lm": type(lm).__module__, "new": ids.shape[1], "labels": logits.shape[-1],
+                           "clf": type(clf).__module__}}))
+        """,
+        tmp_path,
+    )
+    report = json.loads(stdout.strip().splitlines()[-1])
+    assert report["lm"].startswith("transformers_modules.") and report["clf"].startswith("transformers_modules.")
+    assert report["new"] > 1 and report["labels"] >= 5
+
+
+@pytest.mark.slow
+def test_demo_metrics_beat_baseline(demo):
+    metrics = json.loads((demo[0] / "metrics.json").read_text())
+    assert metrics["kind"] == "hf-tfm demo" and metrics["profile"] == "quick"
+    clf = metrics["classifier"]
+    assert len(clf["labels"]) >= 5
+    assert clf["test_accuracy"] > clf["baseline_accuracy"] + 0.05, clf
+    assert 1.0 < metrics["lm"]["perplexity"] < metrics["lm"]["parameters"]
+    assert metrics["lm"]["history"]["eval"][-1][1] < metrics["lm"]["history"]["eval"][0][1]  # it learned
+    assert metrics["reloaded_class"].startswith("transformers_modules.")
+    assert len(metrics["generations"]) == 4
+
+
+@pytest.mark.slow
+def test_demo_plot_is_a_png(demo):
+    import matplotlib.image
+
+    plot = demo[0] / "loss_curves.png"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 1000
+    image = matplotlib.image.imread(plot)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+@pytest.mark.slow
+def test_demo_model_cards_name_metrics(demo):
+    lm_card = (demo[0] / "lm" / "README.md").read_text()
+    assert lm_card.startswith("---\nlibrary_name: transformers")
+    for needle in ("## Architecture", "## Data", "## Training settings", "perplexity", "held-out loss"):
+        assert needle in lm_card
+    clf_card = (demo[0] / "classifier" / "README.md").read_text()
+    assert "test accuracy" in clf_card and "majority-class baseline accuracy" in clf_card
+    assert (demo[0] / "classifier" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_demo_refuses_a_foreign_output_dir(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["demo", "--quick", "--output-dir", str(tmp_path)]) == 1
+    assert "already holds another model" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["config.json"] and no_partial_dirs(tmp_path.parent)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bad input: clear message, exit status 1, no folder that looks complete
+
+
+@pytest.fixture
+def files(tmp_path):
+    rows = [{"text": f"the cat number {i} sat on the mat", "label": "cats"} for i in range(12)]
+    rows += [{"text": f"stock {i} fell on the market today", "label": "money"} for i in range(12)]
+    (tmp_path / "good.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    (tmp_path / "data.xml").write_text("<a/>")
+    (tmp_path / "one_class.csv").write_text("text,label\nhello there,a\ngood bye,a\n")
+    (tmp_path / "no_label.csv").write_text("text,tag\nhello there,a\ngood bye,b\n")
+    (tmp_path / "other.jsonl").write_text(json.dumps({"text": "x", "label": "unseen"}))
+    return tmp_path
+
+
+BAD_INPUTS = [
+    (["pretrain", "--train-file", "missing.txt"], "no such file"),
+    (["pretrain", "--train-file", "empty.txt"], "the file is empty"),
+    (["pretrain", "--train-file", "blank.jsonl"], "the file is empty"),
+    (["pretrain", "--train-file", "data.xml"], "unknown format '.xml'"),
+    (["pretrain", "--train-file", "good.jsonl", "--text-column", "body"], "no text column 'body'"),
+    (["finetune", "--train-file", "no_label.csv"], "no label column 'label'"),
+    (["finetune", "--train-file", "one_class.csv"], "single class 'a'"),
+    (["finetune", "--train-file", "good.jsonl", "--eval-file", "other.jsonl"], "do not occur in the training file"),
+    (["finetune", "--train-file", "empty.txt"], "the file is empty"),
+    (["pretrain", "--train-file", "good.jsonl", "--config", "no-such-preset"], "unknown config 'no-such-preset'"),
+    (["pretrain", "--train-file", "good.jsonl", "--config", "tiny-encoder"], "pretrain needs a decoder"),
+    (["pretrain", "--train-file", "good.jsonl", "--seq-len", "4096", "--vocab-size", "300"], "shorter than one block"),
+    (["generate", "nowhere", "--prompt", "x"], "no such model folder"),
+    (["classify", "nowhere", "hi"], "no such model folder"),
+    (["push", "nowhere", "--repo-id", "a/b"], "no such model folder"),
+    (["info", "nowhere"], "neither a preset"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_INPUTS, ids=[" ".join(a[:3]) for a, _ in BAD_INPUTS])
+def test_bad_input_exits_nonzero_with_message(files, capsys, monkeypatch, argv, message):
+    monkeypatch.chdir(files)
+    before = set(os.listdir(files))
+    needs_output = argv[0] in ("pretrain", "finetune")
+    status = main(argv + (["--output-dir", "out", *TINY_TRAIN[:2]] if needs_output else []))
+    err = capsys.readouterr().err
+    assert status == 1
+    assert message in err and err.startswith(f"hf-tfm {argv[0]}: error:"), err
+    assert set(os.listdir(files)) == before  # no output folder, no half-written temp folder
+
+
+@pytest.mark.parametrize("marker", ["config.json", "adapter_config.json", "notes.txt"])
+def test_output_dir_with_content_is_refused_unless_overwrite(files, capsys, monkeypatch, marker):
+    monkeypatch.chdir(files)
+    (files / "out").mkdir()
+    (files / "out" / marker).write_text("{}")
+    status = main(["finetune", "--train-file", "good.jsonl", "--output-dir", "out", *TINY_TRAIN])
+    assert status == 1 and "pass --overwrite" in capsys.readouterr().err
+    assert os.listdir(files / "out") == [marker]
+
+
+def test_missing_required_argument_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["pretrain"])
+    assert exit_info.value.code == 2 and "--train-file" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# pretrain / finetune / generate / classify / info / convert on small user files
+
+
+@pytest.fixture(scope="module")
+def user_models(tmp_path_factory):
+    """A tiny causal LM pretrained from a .txt file, and a classifier fine-tuned from it with LoRA on a .csv."""
+    root = tmp_path_factory.mktemp("user")
+    lines = [f"def function_{i}(x):\n    return x + {i}" for i in range(60)] + ["the end of the file"] * 5
+    (root / "train.txt").write_text("\n".join(lines))
+    csv = ["text,topic"] + [f"the cat {i} sat on the warm mat,cats" for i in range(20)]
+    csv += [f"shares of company {i} fell on the market,money" for i in range(20)]
+    (root / "labelled.csv").write_text("\n".join(csv))
+    lm, clf = root / "lm", root / "clf"
+    assert main(["pretrain", "--train-file", str(root / "train.txt"), "--output-dir", str(lm), *TINY_TRAIN]) == 0
+    argv = ["finetune", "--train-file", str(root / "labelled.csv"), "--label-column", "topic", "--model", str(lm)]
+    assert main([*argv, "--output-dir", str(clf), "--max-steps", "30", "--batch-size", "8", "--lr", "1e-2"]) == 0
+    return root, lm, clf
+
+
+def test_pretrain_writes_a_complete_folder(user_models):
+    _, lm, _ = user_models
+    names = set(os.listdir(lm))
+    assert {"config.json", "model.safetensors", "modeling.py", "tokenizer.json", "README.md", "metrics.json"} <= names
+    metrics = json.loads((lm / "metrics.json").read_text())
+    assert metrics["steps"] == 4 and metrics["perplexity"] > 1
+    assert "perplexity" in (lm / "README.md").read_text()
+    assert no_partial_dirs(lm.parent)
+
+
+def test_pretrain_continues_from_a_checkpoint_on_jsonl(user_models, capsys):
+    root, lm, _ = user_models
+    (root / "more.jsonl").write_text("\n".join(json.dumps({"body": f"def g_{i}(): return {i}"}) for i in range(40)))
+    out = root / "lm2"
+    argv = ["pretrain", "--train-file", str(root / "more.jsonl"), "--text-column", "body", "--model", str(lm)]
+    assert main([*argv, "--output-dir", str(out), "--max-steps", "2", "--seq-len", "16", "--batch-size", "4"]) == 0
+    assert json.loads((out / "tokenizer.json").read_text()) == json.loads((lm / "tokenizer.json").read_text())
+    # and --overwrite replaces it
+    assert main([*argv, "--output-dir", str(out), "--max-steps", "1", "--seq-len", "16", "--overwrite"]) == 0
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 1
+
+
+def test_finetune_with_lora_saves_merged_model_and_adapter(user_models):
+    _, _, clf = user_models
+    config = json.loads((clf / "config.json").read_text())
+    assert config["id2label"] == {"0": "cats", "1": "money"}
+    assert (clf / "adapter" / "adapter_config.json").is_file() and (
+        clf / "adapter" / "adapter_model.safetensors"
+    ).is_file()
+    metrics = json.loads((clf / "metrics.json").read_text())
+    assert metrics["lora"] is True and metrics["trainable_parameters"] < metrics["parameters"]
+    assert metrics["test_accuracy"] >= metrics["baseline_accuracy"]
+
+
+def test_finetune_from_scratch_with_a_preset(user_models):
+    root, _, _ = user_models
+    out = root / "scratch-clf"
+    argv = [
+        "finetune",
+        "--train-file",
+        str(root / "labelled.csv"),
+        "--label-column",
+        "topic",
+        "--config",
+        "tiny-encoder",
+    ]
+    assert main([*argv, "--output-dir", str(out), *TINY_TRAIN]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["lora"] is False and metrics["trainable_parameters"] == metrics["parameters"]
+
+
+def test_generate_streams_text(user_models, capsys):
+    _, lm, _ = user_models
+    assert main(["generate", str(lm), "--prompt", "def ", "--max-new-tokens", "6", "--seed", "0"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+    assert main(["generate", str(lm), "--prompt", "def ", "--max-new-tokens", "6", "--greedy", "--no-stream"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+
+
+def test_classify_texts_and_file(user_models, capsys):
+    root, _, clf = user_models
+    (root / "to_classify.txt").write_text("the cat 99 sat on the warm mat\nshares of company 99 fell on the market\n")
+    argv = ["classify", str(clf), "a cat on a mat", "--file", str(root / "to_classify.txt"), "--json", "--top-k", "2"]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 3 and all(r["label"] in ("cats", "money") and 0 <= r["score"] <= 1 for r in rows)
+    assert [r["label"] for r in rows[1:]] == ["cats", "money"]
+    assert len(rows[0]["top"]) == 2
+
+
+def test_info_on_preset_and_folder(user_models, capsys):
+    _, lm, _ = user_models
+    assert main(["info", "bert-style", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["kind"] == "encoder" and report["parameters"] > 80_000_000
+    assert report["integrations"]["cache types"]["static"][0] is False  # and it says why
+    assert "encoder" in report["integrations"]["cache types"]["static"][1]
+    assert main(["info", str(lm)]) == 0
+    text = capsys.readouterr().out
+    assert "attention backends" in text and "sdpa" in text and "flash_attention_2" in text
+    assert "export to in-tree transformers" in text
+
+
+def test_convert_exports_a_trained_folder_to_llama(user_models, capsys):
+    pytest.importorskip("hf_tfm.convert")
+    root, lm, _ = user_models
+    assert main(["convert", str(lm), str(root / "llama")]) == 0
+    assert json.loads((root / "llama" / "config.json").read_text())["model_type"] == "llama"
+    assert (root / "llama" / "tokenizer.json").is_file() and no_partial_dirs(root)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# push, against a fake Hub on loopback
+
+
+@pytest.fixture
+def fake_hub():
+    hub = FakeHub().start()
+    yield hub
+    hub.stop()
+
+
+@pytest.mark.slow
+def test_push_then_load_from_hub_without_hf_tfm(user_models, fake_hub, tmp_path):
+    _, lm, _ = user_models
+    env = {
+        "HF_ENDPOINT": fake_hub.endpoint,
+        "HF_TOKEN": "hf_fake",
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_OFFLINE": "0",
+    }
+    result = hf_tfm_command("push", str(lm), "--repo-id", "fake-user/tiny-lm", env=env, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    pushed = fake_hub.files("fake-user/tiny-lm")
+    assert {
+        "config.json",
+        "model.safetensors",
+        "modeling.py",
+        "configuration.py",
+        "tokenizer.json",
+        "README.md",
+    } <= set(pushed)
+    assert pushed["model.safetensors"] == (lm / "model.safetensors").read_bytes()
+
+    code = """
+        import sys; sys.modules["hf_tfm"] = None
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        model = AutoModelForCausalLM.from_pretrained("fake-user/tiny-lm", trust_remote_code=True)
+        tok = AutoTokenizer.from_pretrained("fake-user/tiny-lm", trust_remote_code=True)
+        out = model.generate(**tok("def ", return_tensors="pt"), max_new_tokens=4, do_sample=False)
+        print(type(model).__module__, out.shape[1])
+    """
+    loaded = subprocess.run(
+        [sys.executable, "-c", __import__("textwrap").dedent(code)],
+        env={**os.environ, **env, "HF_HOME": str(tmp_path / "hf2"), "HF_MODULES_CACHE": str(tmp_path / "mods")},
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    module, length = loaded.stdout.split()
+    assert module.startswith("transformers_modules.fake_hyphen_user.tiny_hyphen_lm.") and int(length) > 2
+
+
+@pytest.mark.slow
+def test_push_reports_hub_errors(tmp_path, user_models):
+    _, lm, _ = user_models
+    env = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_TOKEN": "hf_fake", "HF_HOME": str(tmp_path / "hf")}
+    result = hf_tfm_command("push", str(lm), "--repo-id", "fake-user/x", env=env, timeout=120)
+    assert result.returncode == 1 and "upload to fake-user/x failed" in result.stderr
