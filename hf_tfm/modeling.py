@@ -148,8 +148,8 @@ class TfmRotaryEmbedding(nn.Module):
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    half = x.shape[-1] // 2  # two slices: fewer dispatcher ops than chunk -> split -> narrow (decode overhead)
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def apply_rotary_pos_emb(
@@ -491,7 +491,8 @@ class TfmModel(TfmPreTrainedModel):
         config._validate_attn_implementation(config._attn_implementation)
         if use_cache is None:  # an encoder has nothing to decode; training builds no cache (packing relies on it)
             use_cache = config.use_cache and config.is_causal and not self.training
-        if use_cache and cache is None:
+        fresh_cache = use_cache and cache is None
+        if fresh_cache:
             cache = DynamicCache(config=config)
         past_length = cache.get_seq_length() if cache is not None else 0
 
@@ -524,7 +525,8 @@ class TfmModel(TfmPreTrainedModel):
 
         masks = attention_mask
         if not isinstance(masks, dict):  # generate() may pass masks already built per layer type
-            masks = self._build_masks(inputs_embeds, attention_mask, cache, position_ids)
+            # An empty cache we just made adds no offset; leaving it out lets the masks see packed position_ids.
+            masks = self._build_masks(inputs_embeds, attention_mask, None if fresh_cache else cache, position_ids)
         position_embeddings = self._rotary(hidden_states, position_ids)
         biases = self._alibi_biases(seq_length, cache, inputs_embeds.dtype) if self.alibi is not None else {}
 
@@ -736,7 +738,7 @@ class TfmForSequenceClassification(TfmPreTrainedModel):
             cache=cache,
             inputs_embeds=inputs_embeds,
             token_type_ids=token_type_ids,
-            use_cache=use_cache,
+            use_cache=bool(use_cache),  # a classifier decodes nothing: no cache unless asked
             **kwargs,
         )
         pad_mask = None

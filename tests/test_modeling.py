@@ -455,3 +455,15 @@ def test_rope_scores_depend_on_relative_position_only():
     torch.testing.assert_close(score(7, 3), score(12, 8))
     assert (score(7, 3) - score(7, 2)).abs() > 1e-3
     torch.testing.assert_close(score(4, 4), (q * k).sum())  # no rotation at equal positions
+
+
+@pytest.mark.parametrize("position_embedding_type", ["rope", "alibi", "learned", "sinusoidal"])
+def test_packed_eval_forward_keeps_sequences_apart(position_embedding_type):
+    """In eval mode the model makes a cache (use_cache=True); packed position_ids must still isolate sequences."""
+    model = build(TfmForCausalLM, tiny_config(position_embedding_type=position_embedding_type))
+    first, second = random_ids(1, 5, seed=1), random_ids(1, 4, seed=2)
+    position_ids = torch.cat([torch.arange(5), torch.arange(4)])[None]
+    with torch.no_grad():
+        packed = model(torch.cat([first, second], 1), position_ids=position_ids).logits
+        alone = model(second).logits
+    torch.testing.assert_close(packed[:, 5:], alone, atol=1e-5, rtol=0)
