@@ -1,0 +1,770 @@
+#!/usr/bin/env python
+"""Benchmark hf_tfm against transformers' in-tree models on equal work, in one process, interleaved round by round.
+
+Pairs (hf_tfm config built to the same shapes as the in-tree model):
+
+- ``llama``: llama-style TfmConfig (RoPE, RMSNorm, SwiGLU, no biases, untied) vs ``LlamaForCausalLM``
+- ``gpt2``: gpt2-style TfmConfig (learned positions, LayerNorm, gelu MLP, biases, tied) vs ``GPT2LMHeadModel``
+- ``bert``: post-norm encoder classifier (learned positions, token types, embedding LayerNorm) vs
+  ``BertForSequenceClassification``
+- ``modernbert``: pre-norm encoder classifier (RoPE, bias-free LayerNorm, GeGLU, embedding norm) vs
+  ``ModernBertForSequenceClassification`` (all layers global attention, so both do the same attention work)
+
+Weights are not copied (timing does not depend on their values), but every matmul has the same shape, so FLOPs match;
+the few differences (BERT's pooler, ModernBERT's head dense+norm, GPT-2's Conv1D layout) are a few hidden x hidden
+matmuls on one token per row and are listed in the JSON ``notes``. Same dtype, same attention backend (sdpa).
+
+Tasks: ``train`` (causal LM, forward+backward+AdamW step), ``prefill`` (no-grad forward that fills a KV cache, last
+logits only, as generate() does), ``decode_b1``/``decode_b8`` (``generate()`` greedy, prompt 32, 64 new tokens, batch
+1 and 8, no EOS stop), ``cls_train`` (encoder sequence-classification train step). Every round runs the two models
+back to back (A B, then B A in the next round, so neither always goes first); the table reports medians.
+
+Peak memory (CPU): bytes allocated by torch during one step above what was live when it began, from
+``torch.profiler`` memory events (``profile_memory=True``: cumulative sum of the allocation/free events, maximum), on
+one extra untimed step. On CUDA: ``torch.cuda.max_memory_allocated`` minus the allocation at the start of the step.
+
+Matmul throughput: ``torch.matmul`` timed in the same run on the model's own linear-layer GEMM shapes (forward
+``X @ W.T``, and the two backward GEMMs ``dY @ W`` and ``dY.T @ X``), weighted by FLOPs. The train step's achieved
+FLOP/s (6 x tokens x matmul parameters + causal attention, see ``train_flops``) divided by that is the reported
+``mm_frac``.
+
+Usage: ``python scripts/bench.py --size small --rounds 5 --json bench.json``. See ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import transformers
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    ModernBertConfig,
+    ModernBertForSequenceClassification,
+)
+
+from hf_tfm import TfmConfig, TfmForCausalLM, TfmForSequenceClassification
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sizes and task shapes
+
+SIZES = {
+    # hidden, layers, heads, vocab
+    "tiny": {"hidden": 64, "layers": 2, "heads": 4, "vocab": 512},
+    "small": {"hidden": 256, "layers": 4, "heads": 4, "vocab": 8192},
+    "base": {"hidden": 768, "layers": 12, "heads": 12, "vocab": 16384},
+}
+SHAPES = {
+    # train/prefill batch x seq; decode prompt / new tokens
+    "tiny": {"batch": 2, "seq": 32, "prompt": 8, "new": 4, "decode_batches": (1, 2)},
+    "small": {"batch": 8, "seq": 256, "prompt": 32, "new": 64, "decode_batches": (1, 8)},
+    "base": {"batch": 8, "seq": 256, "prompt": 32, "new": 64, "decode_batches": (1, 8)},
+}
+ALL_TASKS = ("train", "prefill", "decode_b1", "decode_b8", "cls_train")
+PAIR_TASKS = {
+    "llama": ("train", "prefill", "decode_b1", "decode_b8"),
+    "gpt2": ("train", "prefill", "decode_b1", "decode_b8"),
+    "bert": ("cls_train",),
+    "modernbert": ("cls_train",),
+}
+NUM_LABELS = 2
+
+
+def glu_intermediate(hidden: int) -> int:
+    return 64 * ((8 * hidden // 3 + 63) // 64)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Model pairs
+
+
+@dataclass
+class Pair:
+    name: str
+    ours: nn.Module
+    theirs: nn.Module
+    theirs_name: str
+    kind: str  # "causal" or "encoder"
+    linears: list[tuple[int, int]] = field(default_factory=list)  # (in, out) of every matmul weight, per token
+    attn: dict = field(default_factory=dict)  # layers, heads, head_dim, causal
+    notes: str = ""
+
+
+def build_pair(name: str, size: str, dtype: torch.dtype, attn: str, device: str) -> Pair:
+    s = SIZES[size]
+    h, n_layers, heads, vocab = s["hidden"], s["layers"], s["heads"], s["vocab"]
+    max_pos = 512
+    common = {"attn_implementation": attn, "dtype": dtype}
+    if name == "llama":
+        inter = glu_intermediate(h)
+        ours_cfg = TfmConfig(
+            vocab_size=vocab,
+            hidden_size=h,
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            intermediate_size=inter,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=False,
+            norm_eps=1e-6,
+        )
+        theirs_cfg = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=h,
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            intermediate_size=inter,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-6,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        ours = TfmForCausalLM._from_config(ours_cfg, **common)
+        theirs = LlamaForCausalLM._from_config(theirs_cfg, **common)
+        linears = [(h, h)] * 4 + [(h, inter)] * 2 + [(inter, h)]
+        pair = Pair(name, ours, theirs, "LlamaForCausalLM", "causal", linears * n_layers + [(h, vocab)])
+    elif name == "gpt2":
+        ours_cfg = TfmConfig(
+            vocab_size=vocab,
+            hidden_size=h,
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            intermediate_size=4 * h,
+            max_position_embeddings=max_pos,
+            position_embedding_type="learned",
+            norm_type="layernorm",
+            norm_eps=1e-5,
+            ffn_type="mlp",
+            hidden_act="gelu_new",
+            attention_bias=True,
+            mlp_bias=True,
+            tie_word_embeddings=True,
+        )
+        theirs_cfg = GPT2Config(
+            vocab_size=vocab,
+            n_embd=h,
+            n_layer=n_layers,
+            n_head=heads,
+            n_inner=4 * h,
+            n_positions=max_pos,
+            activation_function="gelu_new",
+            layer_norm_epsilon=1e-5,
+            tie_word_embeddings=True,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        ours = TfmForCausalLM._from_config(ours_cfg, **common)
+        theirs = GPT2LMHeadModel._from_config(theirs_cfg, **common)
+        linears = [(h, h)] * 4 + [(h, 4 * h), (4 * h, h)]
+        pair = Pair(name, ours, theirs, "GPT2LMHeadModel", "causal", linears * n_layers + [(h, vocab)])
+        pair.notes = "GPT-2 uses Conv1D (x @ W) where hf_tfm uses nn.Linear (x @ W.T): same FLOPs."
+    elif name == "bert":
+        ours_cfg = TfmConfig(
+            vocab_size=vocab,
+            hidden_size=h,
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            intermediate_size=4 * h,
+            max_position_embeddings=max_pos,
+            is_causal=False,
+            position_embedding_type="learned",
+            type_vocab_size=2,
+            norm_type="layernorm",
+            norm_eps=1e-12,
+            norm_position="post",
+            embedding_norm=True,
+            ffn_type="mlp",
+            hidden_act="gelu",
+            attention_bias=True,
+            mlp_bias=True,
+            num_labels=NUM_LABELS,
+        )
+        theirs_cfg = BertConfig(
+            vocab_size=vocab,
+            hidden_size=h,
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            intermediate_size=4 * h,
+            max_position_embeddings=max_pos,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            num_labels=NUM_LABELS,
+            pad_token_id=0,
+        )
+        ours = TfmForSequenceClassification._from_config(ours_cfg, **common)
+        theirs = BertForSequenceClassification._from_config(theirs_cfg, **common)
+        linears = [(h, h)] * 4 + [(h, 4 * h), (4 * h, h)]
+        pair = Pair(name, ours, theirs, "BertForSequenceClassification", "encoder", linears * n_layers)
+        pair.notes = "BERT adds a pooler (hidden x hidden on the [CLS] row only): negligible FLOPs."
+    elif name == "modernbert":
+        inter = glu_intermediate(h)
+        ours_cfg = TfmConfig(
+            vocab_size=vocab,
+            hidden_size=h,
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            intermediate_size=inter,
+            max_position_embeddings=max_pos,
+            is_causal=False,
+            position_embedding_type="rope",
+            norm_type="layernorm",
+            norm_bias=False,
+            norm_eps=1e-5,
+            embedding_norm=True,
+            first_layer_attn_norm=False,  # ModernBERT's layer 0 has no attention norm
+            ffn_type="glu",
+            hidden_act="gelu",
+            num_labels=NUM_LABELS,
+        )
+        theirs_cfg = ModernBertConfig(
+            vocab_size=vocab,
+            hidden_size=h,
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            intermediate_size=inter,
+            max_position_embeddings=max_pos,
+            layer_types=["full_attention"] * n_layers,
+            num_labels=NUM_LABELS,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            cls_token_id=1,
+            sep_token_id=2,
+        )
+        ours = TfmForSequenceClassification._from_config(ours_cfg, **common)
+        theirs = ModernBertForSequenceClassification._from_config(theirs_cfg, **common)
+        linears = [(h, h)] * 4 + [(h, inter)] * 2 + [(inter, h)]
+        pair = Pair(name, ours, theirs, "ModernBertForSequenceClassification", "encoder", linears * n_layers)
+        pair.notes = (
+            "ModernBERT: all layers global attention (layer_types), so attention work matches; its head adds a "
+            "dense+act+norm on the pooled row (negligible)."
+        )
+    else:
+        raise ValueError(name)
+    pair.attn = {"layers": n_layers, "heads": heads, "head_dim": h // heads, "causal": pair.kind == "causal"}
+    for model in (pair.ours, pair.theirs):
+        model.to(device)
+        if pair.kind == "causal":  # decode exactly `new` tokens: no EOS stop, same processors for both
+            gc_ = model.generation_config
+            gc_.eos_token_id = None
+            gc_.pad_token_id = 0
+            gc_.do_sample = False
+    return pair
+
+
+def n_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Steps: each returns a zero-arg callable that does one unit of work (synchronised)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_step(model: nn.Module, task: str, shp: dict, vocab: int, device: str, autocast: torch.dtype | None):
+    g = torch.Generator().manual_seed(0)
+    ac = (
+        (lambda: torch.autocast(device_type=device, dtype=autocast))
+        if autocast is not None
+        else contextlib.nullcontext
+    )
+    if task in ("train", "cls_train"):
+        ids = torch.randint(3, vocab, (shp["batch"], shp["seq"]), generator=g).to(device)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        if task == "train":
+            kwargs = {"input_ids": ids, "labels": ids}
+        else:
+            labels = torch.randint(0, NUM_LABELS, (shp["batch"],), generator=g).to(device)
+            kwargs = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+
+        def step():
+            with ac():
+                loss = model(**kwargs).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync(device)
+
+        return step
+    model.eval()
+    if task == "prefill":
+        ids = torch.randint(3, vocab, (shp["batch"], shp["seq"]), generator=g).to(device)
+
+        def step():
+            with torch.inference_mode(), ac():
+                model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            sync(device)
+
+        return step
+    if task.startswith("decode"):
+        batch = shp["decode_batches"][0 if task == "decode_b1" else 1]
+        ids = torch.randint(3, vocab, (batch, shp["prompt"]), generator=g).to(device)
+        mask = torch.ones_like(ids)
+        extra = {}
+        if task.endswith("_static"):
+            from transformers import CompileConfig
+
+            cc = CompileConfig(fullgraph=True, mode="default", dynamic=False)
+            cc._compile_all_devices = True  # private flag: generate() only auto-compiles on CUDA/XPU otherwise
+            extra = {"cache_implementation": "static", "compile_config": cc}
+
+        def step():
+            with torch.inference_mode(), ac():
+                out = model.generate(
+                    input_ids=ids, attention_mask=mask, max_new_tokens=shp["new"], do_sample=False, **extra
+                )
+            assert out.shape[1] == shp["prompt"] + shp["new"], out.shape
+            sync(device)
+
+        return step
+    raise ValueError(task)
+
+
+def task_tokens(task: str, shp: dict) -> int:
+    """Tokens processed per step (decode: generated tokens)."""
+    if task.startswith("decode"):
+        return shp["decode_batches"][0 if task.startswith("decode_b1") else 1] * shp["new"]
+    return shp["batch"] * shp["seq"]
+
+
+def peak_step_memory(step, device: str) -> int:
+    """Peak bytes allocated during one step above what was live at its start (see the module docstring)."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        return torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
+    cur = peak = 0
+    for _, nbytes in events:
+        cur += nbytes
+        peak = max(peak, cur)
+    return peak
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# FLOPs and matmul throughput
+
+
+def train_flops(pair: Pair, shp: dict) -> float:
+    """Training FLOPs per step: 6 x tokens x (matmul params) + attention scores/values (causal counts half)."""
+    tokens = shp["batch"] * shp["seq"]
+    linear = 6 * tokens * sum(i * o for i, o in pair.linears)
+    a = pair.attn
+    attn = 6 * 2 * shp["batch"] * shp["seq"] ** 2 * a["heads"] * a["head_dim"] * a["layers"]
+    if a["causal"]:
+        attn /= 2
+    return float(linear + attn)
+
+
+def matmul_throughput(pair: Pair, shp: dict, dtype: torch.dtype, device: str, reps: int = 3) -> float:
+    """FLOP/s of torch.matmul on the model's own GEMMs (forward and both backward GEMMs of each distinct linear)."""
+    m = shp["batch"] * shp["seq"]
+    counts: dict[tuple[int, int], int] = {}
+    for shape in pair.linears:
+        counts[shape] = counts.get(shape, 0) + 1
+    total_flops = total_time = 0.0
+    for (i, o), count in counts.items():
+        x = torch.randn(m, i, dtype=dtype, device=device)
+        w = torch.randn(o, i, dtype=dtype, device=device)
+        dy = torch.randn(m, o, dtype=dtype, device=device)
+        wt = w.t()
+        dyt = dy.t()
+        gemms = [lambda x=x, wt=wt: x @ wt, lambda dy=dy, w=w: dy @ w, lambda dyt=dyt, x=x: dyt @ x]
+        for fn in gemms:
+            fn()  # warm
+            times = []
+            for _ in range(reps):
+                sync(device)
+                t0 = time.perf_counter()
+                fn()
+                sync(device)
+                times.append(time.perf_counter() - t0)
+            total_time += min(times) * count
+            total_flops += 2.0 * m * i * o * count
+    return total_flops / total_time
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Running
+
+
+def interleaved(steps: dict[str, callable], rounds: int) -> dict[str, list[float]]:
+    """Run the steps round by round, alternating which one goes first (A B, B A, ...)."""
+    names = list(steps)
+    times = {n: [] for n in names}
+    for r in range(rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for n in order:
+            t0 = time.perf_counter()
+            steps[n]()
+            times[n].append(time.perf_counter() - t0)
+    return times
+
+
+def run_pair_task(
+    pair: Pair, task: str, shp: dict, args, device: str, vocab: int, autocast=None, label=None, baseline=None
+):
+    """Time hf_tfm ("ours") and the in-tree model ("theirs") interleaved. `baseline` = (task, autocast) of a reference
+    variant (eager fp32, eager dynamic cache) timed in the same rounds, for `speedup_over_baseline` on each side."""
+    label = label or task
+    steps = {
+        "ours": make_step(pair.ours, task, shp, vocab, device, autocast),
+        "theirs": make_step(pair.theirs, task, shp, vocab, device, autocast),
+    }
+    if baseline is not None:
+        steps["ours_baseline"] = make_step(pair.ours, baseline[0], shp, vocab, device, baseline[1])
+        steps["theirs_baseline"] = make_step(pair.theirs, baseline[0], shp, vocab, device, baseline[1])
+    warm_t = {}
+    for n, s in steps.items():  # warm-up (and compile, for the static-cache path)
+        t0 = time.perf_counter()
+        s()
+        warm_t[n] = time.perf_counter() - t0
+    times = interleaved(steps, args.rounds)
+    tokens = task_tokens(task, shp)
+    res = {"pair": pair.name, "task": label, "theirs_name": pair.theirs_name, "tokens_per_step": tokens}
+    for n in steps:
+        med = statistics.median(times[n])
+        res[n] = {"median_s": med, "times_s": times[n], "tokens_per_s": tokens / med, "warmup_s": warm_t[n]}
+    if baseline is not None:
+        for n in ("ours", "theirs"):
+            res[n]["speedup_over_baseline"] = res[n + "_baseline"]["median_s"] / res[n]["median_s"]
+        steps = {n: steps[n] for n in ("ours", "theirs")}
+    # speedup of hf_tfm over the in-tree model (> 1: hf_tfm is faster)
+    res["speedup"] = res["theirs"]["median_s"] / res["ours"]["median_s"]
+    if not args.no_memory and task in ("train", "cls_train", "prefill") and autocast is None:
+        for n, s in steps.items():
+            res[n]["peak_mem_bytes"] = peak_step_memory(s, device)
+        res["mem_ratio"] = res["ours"]["peak_mem_bytes"] / max(res["theirs"]["peak_mem_bytes"], 1)
+    if task in ("train", "cls_train") and autocast is None:
+        flops = train_flops(pair, shp)
+        res["train_flops"] = flops
+        if args.mm_tput.get((pair.name, args.cur_size)) is None:
+            args.mm_tput[(pair.name, args.cur_size)] = matmul_throughput(pair, shp, args.torch_dtype, device)
+        mm = args.mm_tput[(pair.name, args.cur_size)]
+        res["matmul_flops_per_s"] = mm
+        for n in steps:
+            achieved = flops / res[n]["median_s"]
+            res[n]["flops_per_s"] = achieved
+            res[n]["mm_frac"] = achieved / mm
+            if args.peak_flops:
+                res[n]["mfu"] = achieved / args.peak_flops
+    return res
+
+
+def fmt_row(r: dict) -> str:
+    o, t = r["ours"], r["theirs"]
+
+    def ms(x):
+        return f"{x * 1e3:.1f}"
+
+    def mem(d):
+        return f"{d['peak_mem_bytes'] / 2**20:.0f}" if "peak_mem_bytes" in d else "-"
+
+    mm = f"{o['mm_frac']:.2f} / {t['mm_frac']:.2f}" if "mm_frac" in o else "-"
+    if "mfu" in o:  # GPU: model FLOPs utilisation against the vendor bf16 peak
+        mm += f" (MFU {o['mfu']:.2f} / {t['mfu']:.2f})"
+    mr = f"{r['mem_ratio']:.2f}" if "mem_ratio" in r else "-"
+    return (
+        f"| {r['size']} | {r['pair']} | {r['task']} | {r['theirs_name']} | {ms(o['median_s'])} | {ms(t['median_s'])} "
+        f"| {o['tokens_per_s']:.0f} | {t['tokens_per_s']:.0f} | **{r['speedup']:.2f}x** | {mem(o)} | {mem(t)} "
+        f"| {mr} | {mm} |"
+    )
+
+
+TABLE_HEAD = (
+    "| size | pair | task | in-tree | hf_tfm ms | in-tree ms | hf_tfm tok/s | in-tree tok/s | speedup "
+    "| hf_tfm peak MiB | in-tree peak MiB | mem ratio | matmul frac (hf_tfm / in-tree) |\n"
+    "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+)
+
+
+def markdown(results: list[dict], extra: list[dict]) -> str:
+    lines = [TABLE_HEAD, *(fmt_row(r) for r in results)]
+    if extra:
+        lines += ["", "| size | pair | what | hf_tfm | in-tree |", "|---|---|---|---:|---:|"]
+        for e in extra:
+            lines.append(f"| {e['size']} | {e['pair']} | {e['what']} | {e['ours']} | {e['theirs']} |")
+    return "\n".join(lines)
+
+
+def machine_info(device: str) -> dict:
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "device": device,
+    }
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def gpu_peak_bf16_flops(name: str) -> float | None:
+    """Vendor dense bf16 peak for common GPUs (no sparsity), for MFU; None when unknown."""
+    table = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "L4": 121e12}
+    for key, val in table.items():
+        if key in name:
+            return val
+    return None
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="small", choices=[*SIZES, "all"], help="all = small and base")
+    p.add_argument("--tasks", default=",".join(ALL_TASKS), help=f"comma list of {ALL_TASKS}")
+    p.add_argument("--pairs", default="llama,gpt2,bert,modernbert", help="comma list of llama,gpt2,bert,modernbert")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (CPU)")
+    p.add_argument("--attn", default="sdpa", help="attention backend for both models")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--markdown", default=None, help="also write the markdown table here")
+    p.add_argument("--no-memory", action="store_true", help="skip the (profiler-based) peak-memory step")
+    p.add_argument("--bf16-autocast", action="store_true", help="also time the train steps under bf16 autocast")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time static-cache generate() with compile_config, and a torch.compile'd hf_tfm train step",
+    )
+    p.add_argument(
+        "--gpu",
+        action="store_true",
+        help="CUDA mode: bf16, MFU against the GPU's bf16 peak, and flash-attention vs sdpa (untested here)",
+    )
+    args = p.parse_args(argv)
+    args.sizes = ["small", "base"] if args.size == "all" else [args.size]
+    args.task_list = [t for t in args.tasks.split(",") if t]
+    bad = set(args.task_list) - set(ALL_TASKS)
+    if bad:
+        p.error(f"unknown tasks {sorted(bad)}")
+    args.pair_list = [x for x in args.pairs.split(",") if x]
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    device = "cpu"
+    if args.gpu:
+        if not torch.cuda.is_available():
+            raise SystemExit("--gpu: CUDA is not available on this machine")
+        device = "cuda"
+        if args.dtype == "float32":
+            args.dtype = "bfloat16"
+    else:
+        torch.set_num_threads(args.threads)
+    args.torch_dtype = getattr(torch, args.dtype)
+    args.mm_tput = {}
+    args.peak_flops = gpu_peak_bf16_flops(torch.cuda.get_device_name()) if device == "cuda" else None
+    torch.manual_seed(0)
+
+    results, extra = [], []
+    t_start = time.time()
+    load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
+    for size in args.sizes:
+        args.cur_size = size
+        shp = SHAPES[size]
+        for pair_name in args.pair_list:
+            tasks = [t for t in PAIR_TASKS[pair_name] if t in args.task_list]
+            if not tasks:
+                continue
+            pair = build_pair(pair_name, size, args.torch_dtype, args.attn, device)
+            vocab = SIZES[size]["vocab"]
+            for task in tasks:
+                print(f"[bench] {size} {pair_name} {task} ...", file=sys.stderr, flush=True)
+                r = run_pair_task(pair, task, shp, args, device, vocab)
+                r["size"] = size
+                r["params_ours"], r["params_theirs"] = n_params(pair.ours), n_params(pair.theirs)
+                r["notes"] = pair.notes
+                results.append(r)
+                print(fmt_row(r), file=sys.stderr, flush=True)
+                if args.bf16_autocast and task in ("train", "cls_train") and device == "cpu":
+                    rb = run_pair_task(
+                        pair, task, shp, args, device, vocab, torch.bfloat16, task + "_bf16_autocast", (task, None)
+                    )
+                    rb["size"] = size
+                    for n in ("ours", "theirs"):  # fp32 timed in the same interleaved rounds
+                        rb[n]["speedup_over_fp32"] = rb[n]["speedup_over_baseline"]
+                    results.append(rb)
+                    extra.append(
+                        {
+                            "size": size,
+                            "pair": pair_name,
+                            "what": f"{task}: bf16 autocast speedup over fp32",
+                            "ours": f"{rb['ours']['speedup_over_fp32']:.2f}x",
+                            "theirs": f"{rb['theirs']['speedup_over_fp32']:.2f}x",
+                        }
+                    )
+            if args.compile and pair.kind == "causal" and "decode_b1" in tasks:
+                print(f"[bench] {size} {pair_name} decode_b1_static (compile) ...", file=sys.stderr, flush=True)
+                rc = run_pair_task(pair, "decode_b1_static", shp, args, device, vocab, baseline=("decode_b1", None))
+                rc["size"] = size
+                for n in ("ours", "theirs"):  # eager dynamic-cache decode timed in the same interleaved rounds
+                    rc[n]["speedup_over_eager_dynamic"] = rc[n]["speedup_over_baseline"]
+                results.append(rc)
+                extra.append(
+                    {
+                        "size": size,
+                        "pair": pair_name,
+                        "what": "decode_b1: static cache + compiled generate() speedup over eager dynamic cache "
+                        f"(compile warm-up {rc['ours']['warmup_s']:.0f} s / {rc['theirs']['warmup_s']:.0f} s)",
+                        "ours": f"{rc['ours']['speedup_over_eager_dynamic']:.2f}x",
+                        "theirs": f"{rc['theirs']['speedup_over_eager_dynamic']:.2f}x",
+                    }
+                )
+            if args.compile and pair.kind == "causal" and "train" in tasks:
+                extra.append(compiled_train(pair, shp, args, device, vocab, size, results))
+            if device == "cuda" and pair.kind == "causal" and "train" in tasks:
+                extra.extend(gpu_flash_vs_sdpa(pair_name, size, shp, args, device, vocab))
+            del pair
+            gc.collect()
+
+    out = {
+        "machine": machine_info(device),
+        "args": {k: v for k, v in vars(args).items() if k not in ("torch_dtype", "mm_tput")},
+        "command": " ".join(
+            [os.path.relpath(sys.argv[0]) if sys.argv else "scripts/bench.py", *(argv or sys.argv[1:])]
+        ),
+        "wall_s": time.time() - t_start,
+        "results": results,
+        "extra": extra,
+    }
+    out["machine"]["loadavg_start"] = load_start  # 1/5/15-minute load averages: other work on the machine
+    with contextlib.suppress(OSError):
+        out["machine"]["loadavg_end"] = os.getloadavg()
+    table = markdown(results, extra)
+    out["markdown"] = table
+    print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+    return out
+
+
+def compiled_train(pair: Pair, shp: dict, args, device: str, vocab: int, size: str, results: list[dict]) -> dict:
+    """torch.compile'd hf_tfm train step vs the eager one (same process; in-tree model left eager)."""
+    print(f"[bench] {size} {pair.name} train (torch.compile) ...", file=sys.stderr, flush=True)
+    eager = make_step(pair.ours, "train", shp, vocab, device, None)
+    compiled_model = torch.compile(pair.ours)
+    compiled = make_step(compiled_model, "train", shp, vocab, device, None)
+    t0 = time.perf_counter()
+    compiled()
+    warm = time.perf_counter() - t0
+    eager()
+    times = interleaved({"eager": eager, "compiled": compiled}, args.rounds)
+    speed = statistics.median(times["eager"]) / statistics.median(times["compiled"])
+    results.append(
+        {
+            "size": size,
+            "pair": pair.name,
+            "task": "train_compiled",
+            "theirs_name": "hf_tfm eager",
+            "tokens_per_step": task_tokens("train", shp),
+            "ours": {"median_s": statistics.median(times["compiled"]), "times_s": times["compiled"]},
+            "theirs": {"median_s": statistics.median(times["eager"]), "times_s": times["eager"]},
+            "note": "ours = hf_tfm torch.compile'd, theirs = hf_tfm eager",
+            "speedup": speed,
+            "compile_warmup_s": warm,
+        }
+    )
+    for side in ("ours", "theirs"):
+        results[-1][side]["tokens_per_s"] = task_tokens("train", shp) / results[-1][side]["median_s"]
+    return {
+        "size": size,
+        "pair": pair.name,
+        "what": f"train: torch.compile speedup over eager (hf_tfm only; compile warm-up {warm:.0f} s)",
+        "ours": f"{speed:.2f}x",
+        "theirs": "-",
+    }
+
+
+def gpu_flash_vs_sdpa(pair_name: str, size: str, shp: dict, args, device: str, vocab: int) -> list[dict]:
+    """CUDA only (untested on the CPU development machine): hf_tfm train step with flash-attention vs sdpa."""
+    rows = []
+    try:
+        from transformers.utils import is_flash_attn_2_available
+
+        if not is_flash_attn_2_available():
+            return [
+                {"size": size, "pair": pair_name, "what": "flash_attention_2", "ours": "not installed", "theirs": "-"}
+            ]
+        fa = build_pair(pair_name, size, args.torch_dtype, "flash_attention_2", device).ours
+        sd = build_pair(pair_name, size, args.torch_dtype, "sdpa", device).ours
+        steps = {
+            "flash": make_step(fa, "train", shp, vocab, device, None),
+            "sdpa": make_step(sd, "train", shp, vocab, device, None),
+        }
+        for s in steps.values():
+            s()
+        times = interleaved(steps, args.rounds)
+        speed = statistics.median(times["sdpa"]) / statistics.median(times["flash"])
+        rows.append(
+            {
+                "size": size,
+                "pair": pair_name,
+                "what": "train: flash_attention_2 speedup over sdpa (hf_tfm)",
+                "ours": f"{speed:.2f}x",
+                "theirs": "-",
+            }
+        )
+    except Exception as err:  # report, don't crash the whole GPU run
+        rows.append(
+            {"size": size, "pair": pair_name, "what": "flash_attention_2", "ours": f"error: {err}", "theirs": "-"}
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    main()

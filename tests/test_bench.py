@@ -1,0 +1,51 @@
+"""The benchmark runs end to end at the `tiny` size (1 round) and reports every task and ratio.
+
+Performance is never asserted here: the numbers are measured by `scripts/bench.py` itself, not by timed tests.
+"""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("hf_tfm_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_tiny_end_to_end(tmp_path):
+    bench = load_bench()
+    threads = torch.get_num_threads()
+    out_path = tmp_path / "bench.json"
+    try:
+        bench.main(["--size", "tiny", "--rounds", "1", "--threads", "1", "--json", str(out_path)])
+    finally:
+        torch.set_num_threads(threads)
+    out = json.loads(out_path.read_text())
+
+    rows = {(r["pair"], r["task"]): r for r in out["results"]}
+    expected = {(pair, task) for pair, tasks in bench.PAIR_TASKS.items() for task in tasks}
+    assert expected <= set(rows), expected - set(rows)
+    assert {task for _, task in rows} == set(bench.ALL_TASKS)
+
+    for (pair, task), r in rows.items():
+        assert r["size"] == "tiny"
+        assert math.isfinite(r["speedup"]) and r["speedup"] > 0, (pair, task)
+        for side in ("ours", "theirs"):
+            assert r[side]["median_s"] > 0 and r[side]["tokens_per_s"] > 0
+        if task in ("train", "cls_train", "prefill"):
+            assert r["mem_ratio"] > 0 and r["ours"]["peak_mem_bytes"] > 0, (pair, task)
+        if task in ("train", "cls_train"):
+            assert r["matmul_flops_per_s"] > 0
+            assert r["ours"]["mm_frac"] > 0 and r["theirs"]["mm_frac"] > 0
+    assert "| tiny | llama | decode_b1 |" in out["markdown"]
+    assert out["machine"]["torch"] == torch.__version__
