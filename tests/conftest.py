@@ -64,7 +64,8 @@ def run_without_hf_tfm(code: str, tmp_path: Path, timeout: float = 180.0) -> str
         "HF_HUB_OFFLINE": "1",
         "HF_MODULES_CACHE": str(tmp_path / "hf_modules"),
         "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        # Same thread count as this process, so float reductions run in the same order (bit-identical logits).
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),
     }
     env.pop("PYTHONPATH", None)  # the tests directory and the repo root must not leak into the child
     result = subprocess.run(
