@@ -9,6 +9,7 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
+    AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
 )
@@ -17,6 +18,7 @@ from .configuration import TfmConfig
 from .modeling import (
     TfmForCausalLM,
     TfmForMaskedLM,
+    TfmForQuestionAnswering,
     TfmForSequenceClassification,
     TfmForTokenClassification,
     TfmModel,
@@ -31,6 +33,7 @@ AUTO_CLASSES = {
     "AutoModelForSequenceClassification": (AutoModelForSequenceClassification, TfmForSequenceClassification),
     "AutoModelForMaskedLM": (AutoModelForMaskedLM, TfmForMaskedLM),
     "AutoModelForTokenClassification": (AutoModelForTokenClassification, TfmForTokenClassification),
+    "AutoModelForQuestionAnswering": (AutoModelForQuestionAnswering, TfmForQuestionAnswering),
 }
 
 
@@ -60,6 +63,7 @@ __all__ = [
     "TfmConfig",
     "TfmForCausalLM",
     "TfmForMaskedLM",
+    "TfmForQuestionAnswering",
     "TfmForSequenceClassification",
     "TfmForTokenClassification",
     "TfmModel",

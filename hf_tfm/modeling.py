@@ -35,6 +35,7 @@ from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
     MaskedLMOutput,
+    QuestionAnsweringModelOutput,
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
@@ -371,6 +372,7 @@ AUTO_MAP = {
     "AutoModelForSequenceClassification": "modeling.TfmForSequenceClassification",
     "AutoModelForMaskedLM": "modeling.TfmForMaskedLM",
     "AutoModelForTokenClassification": "modeling.TfmForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling.TfmForQuestionAnswering",
 }
 
 
@@ -799,6 +801,51 @@ class TfmForTokenClassification(TfmPreTrainedModel):
         )
 
 
+class TfmForQuestionAnswering(TfmPreTrainedModel):
+    """Extractive question answering: backbone -> `qa_outputs` -> per-token start and end logits of the answer span."""
+
+    def __init__(self, config: TfmConfig) -> None:
+        super().__init__(config)
+        self.model = TfmModel(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        start_positions: torch.LongTensor | None = None,
+        end_positions: torch.LongTensor | None = None,
+        use_cache: bool | None = None,  # accepted (pipelines and Trainer pass it) and ignored: this head never caches
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> QuestionAnsweringModelOutput:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            token_type_ids=token_type_ids,
+            use_cache=False,
+            **kwargs,
+        )
+        start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).unbind(dim=-1)  # (B, T) each
+        start_logits, end_logits = start_logits.contiguous(), end_logits.contiguous()
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            loss = self.loss_function(start_logits, end_logits, start_positions, end_positions, **kwargs)
+        return QuestionAnsweringModelOutput(
+            loss=loss,
+            start_logits=start_logits,
+            end_logits=end_logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
 class TfmPredictionHead(nn.Module):
     """The masked-LM transform before the vocabulary projection: dense -> activation -> norm (BERT, ModernBERT)."""
 
@@ -867,6 +914,7 @@ class TfmForMaskedLM(TfmPreTrainedModel):
 __all__ = [
     "TfmForCausalLM",
     "TfmForMaskedLM",
+    "TfmForQuestionAnswering",
     "TfmForSequenceClassification",
     "TfmForTokenClassification",
     "TfmModel",

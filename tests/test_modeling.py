@@ -15,6 +15,7 @@ from conftest import build, random_ids, tiny_config
 from hf_tfm import (
     TfmForCausalLM,
     TfmForMaskedLM,
+    TfmForQuestionAnswering,
     TfmForSequenceClassification,
     TfmForTokenClassification,
     TfmModel,
@@ -357,6 +358,22 @@ def test_token_classification():
     torch.testing.assert_close(
         out.loss, torch.nn.functional.cross_entropy(out.logits.reshape(-1, 5), labels.reshape(-1))
     )
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_question_answering(is_causal):
+    """Start/end logits are the two columns of `qa_outputs`; the loss is the mean of the two cross-entropies, with
+    out-of-range positions clamped to `seq_len` and ignored (transformers' ForQuestionAnsweringLoss)."""
+    model = build(TfmForQuestionAnswering, tiny_config(is_causal=is_causal))
+    ids = random_ids(2, 6)
+    start, end = torch.tensor([1, 2]), torch.tensor([3, 99])  # 99: outside the input, ignored
+    out = model(input_ids=ids, start_positions=start, end_positions=end)
+    assert out.start_logits.shape == out.end_logits.shape == (2, 6)
+    expected = model.qa_outputs(model.model(input_ids=ids).last_hidden_state)
+    torch.testing.assert_close(torch.stack((out.start_logits, out.end_logits), dim=-1), expected)
+    ce = torch.nn.functional.cross_entropy
+    torch.testing.assert_close(out.loss, (ce(out.start_logits, start) + ce(out.end_logits[:1], end[:1])) / 2)
+    assert model(input_ids=ids, start_positions=start).loss is None  # both positions or no loss
 
 
 def test_masked_lm_tied_decoder_and_loss():

@@ -11,6 +11,7 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
+    AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
 )
@@ -18,6 +19,7 @@ from transformers import (
 from hf_tfm import (
     TfmForCausalLM,
     TfmForMaskedLM,
+    TfmForQuestionAnswering,
     TfmForSequenceClassification,
     TfmForTokenClassification,
     TfmModel,
@@ -29,6 +31,7 @@ HEADS = [
     (TfmForSequenceClassification, AutoModelForSequenceClassification, {"is_causal": False, "num_labels": 3}),
     (TfmForTokenClassification, AutoModelForTokenClassification, {"is_causal": False, "num_labels": 4}),
     (TfmForMaskedLM, AutoModelForMaskedLM, {"is_causal": False, "position_embedding_type": "learned"}),
+    (TfmForQuestionAnswering, AutoModelForQuestionAnswering, {"is_causal": False}),
     (TfmModel, AutoModel, {"position_embedding_type": "alibi"}),
 ]
 
@@ -41,6 +44,8 @@ def stored_keys(folder) -> set[str]:
 def outputs(model, ids):
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    if hasattr(out, "start_logits"):
+        return torch.stack((out.start_logits, out.end_logits))
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
@@ -137,6 +142,7 @@ def test_config_json_lists_every_head(tmp_path):
         "AutoModelForSequenceClassification",
         "AutoModelForMaskedLM",
         "AutoModelForTokenClassification",
+        "AutoModelForQuestionAnswering",
     }
     assert saved["model_type"] == "hf_tfm"
     assert {p.name for p in tmp_path.iterdir()} >= {"configuration.py", "modeling.py", "config.json"}
