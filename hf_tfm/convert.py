@@ -23,32 +23,38 @@ from transformers import (
     AutoConfig,
     BertConfig,
     BertForMaskedLM,
+    BertForQuestionAnswering,
     BertForSequenceClassification,
     BertForTokenClassification,
     BertModel,
     GenerationConfig,
     GPT2Config,
+    GPT2ForQuestionAnswering,
     GPT2ForSequenceClassification,
     GPT2ForTokenClassification,
     GPT2LMHeadModel,
     GPT2Model,
     LlamaConfig,
     LlamaForCausalLM,
+    LlamaForQuestionAnswering,
     LlamaForSequenceClassification,
     LlamaForTokenClassification,
     LlamaModel,
     MistralConfig,
     MistralForCausalLM,
+    MistralForQuestionAnswering,
     MistralForSequenceClassification,
     MistralForTokenClassification,
     MistralModel,
     ModernBertConfig,
     ModernBertForMaskedLM,
+    ModernBertForQuestionAnswering,
     ModernBertForSequenceClassification,
     ModernBertModel,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2ForQuestionAnswering,
     Qwen2ForSequenceClassification,
     Qwen2ForTokenClassification,
     Qwen2Model,
@@ -60,6 +66,7 @@ from .configuration import LAYER_TYPES, TfmConfig
 from .modeling import (
     TfmForCausalLM,
     TfmForMaskedLM,
+    TfmForQuestionAnswering,
     TfmForSequenceClassification,
     TfmForTokenClassification,
     TfmModel,
@@ -68,13 +75,14 @@ from .modeling import (
 
 logger = logging.get_logger(__name__)
 
-HEADS = ("base", "causal_lm", "sequence_classification", "token_classification", "masked_lm")
+HEADS = ("base", "causal_lm", "sequence_classification", "token_classification", "masked_lm", "question_answering")
 TFM_CLASSES = {
     "base": TfmModel,
     "causal_lm": TfmForCausalLM,
     "sequence_classification": TfmForSequenceClassification,
     "token_classification": TfmForTokenClassification,
     "masked_lm": TfmForMaskedLM,
+    "question_answering": TfmForQuestionAnswering,
 }
 IN_TREE_DEFAULT_CLASSIFIER_DROPOUT = 0.1  # GenericForTokenClassification / GPT-2's fallback when the config has none
 # Config fields every head carries unchanged in both directions (labels, problem type).
@@ -89,6 +97,8 @@ def _head_of(model: torch.nn.Module) -> str:
         for head, cls in family.classes.items():
             if type(model) is cls:
                 return head
+    if type(model) in REFUSED_IMPORTS:
+        raise ValueError(f"No hf_tfm import for {type(model).__name__}: {REFUSED_IMPORTS[type(model)]}.")
     raise ValueError(f"No conversion for {type(model).__name__}.")
 
 
@@ -143,11 +153,13 @@ class Family:
     hf_aliases: dict[str, str] = field(default_factory=dict)  # in-tree key -> the key it must equal (tied copies)
     split_state: Callable | None = None  # in-tree state dict -> the same with fused projections split (before rules)
     fuse_state: Callable | None = None  # the reverse, after the rules (GPT-2's c_attn, ModernBERT's Wqkv and Wi)
+    head_prefixes: dict[str, str] = field(default_factory=dict)  # head -> hf_prefix where a head differs (Llama QA)
 
     def rules(self, head: str) -> list[Rule]:
         if head == "base":
             return self.base_rules + self.head_rules.get("base", [])
-        return _prefixed(self.base_rules, "model.", self.hf_prefix) + self.head_rules.get(head, [])
+        prefix = self.head_prefixes.get(head, self.hf_prefix)
+        return _prefixed(self.base_rules, "model.", prefix) + self.head_rules.get(head, [])
 
 
 def _need(config: TfmConfig, out: list[str], family: str, knob: str, expected, why: str | None = None) -> None:
@@ -221,6 +233,7 @@ LLAMA_HEAD_RULES = {
     "causal_lm": [Rule("lm_head.{p}", "lm_head.{p}")],
     "sequence_classification": [Rule("score.{p}", "score.{p}")],
     "token_classification": [Rule("score.{p}", "score.{p}")],
+    "question_answering": [Rule("qa_outputs.{p}", "qa_outputs.{p}")],
 }
 
 
@@ -324,13 +337,15 @@ def _llama_like_to_hf(config: TfmConfig, head: str, name: str) -> dict:
 
 
 def _llama_like(name: str, config_class, classes) -> Family:
+    heads = ("base", "causal_lm", "sequence_classification", "token_classification", "question_answering")
+    classes = dict(zip(heads, classes, strict=True))
     return Family(
         name=name,
         config_class=config_class,
-        classes=dict(
-            zip(("base", "causal_lm", "sequence_classification", "token_classification"), classes, strict=True)
-        ),
+        classes=classes,
         hf_prefix="model.",
+        # LlamaForQuestionAnswering / Qwen2's keep their backbone under `transformer.` (Mistral's under `model.`)
+        head_prefixes={"question_answering": classes["question_answering"].base_model_prefix + "."},
         base_rules=LLAMA_BASE_RULES,
         head_rules=LLAMA_HEAD_RULES,
         config_from_hf=lambda c, head: _llama_like_from_hf(c, head, name),
@@ -356,6 +371,7 @@ GPT2_HEAD_RULES = {
     "causal_lm": [Rule("lm_head.{p}", "lm_head.{p}")],
     "sequence_classification": [Rule("score.{p}", "score.{p}")],
     "token_classification": [Rule("score.{p}", "classifier.{p}")],
+    "question_answering": [Rule("qa_outputs.{p}", "qa_outputs.{p}")],
 }
 _C_ATTN = re.compile(r"(?P<pre>.*h\.\d+\.attn\.)c_attn\.(?P<p>weight|bias)")
 _QKV = re.compile(r"(?P<pre>.*h\.\d+\.attn\.)(?P<n>q_proj|k_proj|v_proj)\.(?P<p>weight|bias)")
@@ -488,6 +504,7 @@ BERT_BASE_RULES = [
 BERT_HEAD_RULES = {
     "sequence_classification": [Rule("head.dense.{p}", "bert.pooler.dense.{p}"), Rule("score.{p}", "classifier.{p}")],
     "token_classification": [Rule("score.{p}", "classifier.{p}")],
+    "question_answering": [Rule("qa_outputs.{p}", "qa_outputs.{p}")],
     "masked_lm": [
         Rule("head.dense.{p}", "cls.predictions.transform.dense.{p}"),
         Rule("head.norm.{p}", "cls.predictions.transform.LayerNorm.{p}"),
@@ -500,6 +517,10 @@ def _bert_from_hf(c, head: str) -> dict:
     for knob in ("is_decoder", "add_cross_attention"):
         if getattr(c, knob, False):
             raise ValueError(f"BERT with `{knob}=True` has no hf_tfm equivalent (hf_tfm imports BERT encoders).")
+    if head == "question_answering" and c.num_labels != 2:
+        raise ValueError(
+            f"BertForQuestionAnswering with `num_labels={c.num_labels}` has no hf_tfm equivalent (needs 2)."
+        )
     kwargs = _sizes(c)
     kwargs.update(
         intermediate_size=c.intermediate_size,
@@ -547,6 +568,8 @@ def _bert_blockers(config: TfmConfig, head: str) -> list[str]:
     _common_blockers(config, name, out)
     if head == "causal_lm":
         out.append("head `causal_lm` (hf_tfm exports BERT encoders only)")
+    if head == "question_answering":  # BertForQuestionAnswering sizes qa_outputs by num_labels; ours is always 2
+        _need(config, out, name, "num_labels", 2)
     if head == "masked_lm":
         _need(config, out, name, "head_dense_bias", True)
         _need(config, out, name, "mlm_head_activation", lambda v: v in (None, config.hidden_act), "None / hidden_act")
@@ -593,6 +616,13 @@ _MODERNBERT_FUSED = {"attn.Wqkv": ("q_proj", "k_proj", "v_proj"), "mlp.Wi": ("ga
 _MB_FUSED = re.compile(r"(?P<pre>.*layers\.\d+\.)(?P<f>attn\.Wqkv|mlp\.Wi)\.(?P<p>weight|bias)")
 _MB_PART = re.compile(
     r"(?P<pre>.*layers\.\d+\.)(?P<m>attn|mlp)\.(?P<n>[qkv]_proj|gate_proj|up_proj)\.(?P<p>weight|bias)"
+)
+
+
+# ModernBertForQuestionAnswering: model -> head (dense, act, norm) -> drop -> classifier; ours: model -> qa_outputs.
+MODERNBERT_QA_REFUSAL = (
+    "ModernBertForQuestionAnswering puts a dense + activation + norm head before its span classifier, "
+    "which TfmForQuestionAnswering lacks"
 )
 
 
@@ -689,6 +719,8 @@ def _modernbert_blockers(config: TfmConfig, head: str) -> list[str]:
     _common_blockers(config, name, out)
     if head in ("causal_lm", "token_classification"):
         out.append(f"head `{head}` (hf_tfm exports ModernBERT's base, masked-LM and sequence-classification heads)")
+    if head == "question_answering":
+        out.append(f"head `question_answering` ({MODERNBERT_QA_REFUSAL})")
     if head == "sequence_classification":
         _need(config, out, name, "classifier_pooling", lambda v: v in ("first", "mean"), "'first' or 'mean'")
         _need(config, out, name, "classifier_dense", True)
@@ -732,17 +764,35 @@ FAMILIES: dict[str, Family] = {
     "llama": _llama_like(
         "llama",
         LlamaConfig,
-        (LlamaModel, LlamaForCausalLM, LlamaForSequenceClassification, LlamaForTokenClassification),
+        (
+            LlamaModel,
+            LlamaForCausalLM,
+            LlamaForSequenceClassification,
+            LlamaForTokenClassification,
+            LlamaForQuestionAnswering,
+        ),
     ),
     "mistral": _llama_like(
         "mistral",
         MistralConfig,
-        (MistralModel, MistralForCausalLM, MistralForSequenceClassification, MistralForTokenClassification),
+        (
+            MistralModel,
+            MistralForCausalLM,
+            MistralForSequenceClassification,
+            MistralForTokenClassification,
+            MistralForQuestionAnswering,
+        ),
     ),
     "qwen2": _llama_like(
         "qwen2",
         Qwen2Config,
-        (Qwen2Model, Qwen2ForCausalLM, Qwen2ForSequenceClassification, Qwen2ForTokenClassification),
+        (
+            Qwen2Model,
+            Qwen2ForCausalLM,
+            Qwen2ForSequenceClassification,
+            Qwen2ForTokenClassification,
+            Qwen2ForQuestionAnswering,
+        ),
     ),
     "gpt2": Family(
         name="gpt2",
@@ -752,6 +802,7 @@ FAMILIES: dict[str, Family] = {
             "causal_lm": GPT2LMHeadModel,
             "sequence_classification": GPT2ForSequenceClassification,
             "token_classification": GPT2ForTokenClassification,
+            "question_answering": GPT2ForQuestionAnswering,
         },
         hf_prefix="transformer.",
         base_rules=GPT2_BASE_RULES,
@@ -770,6 +821,7 @@ FAMILIES: dict[str, Family] = {
             "sequence_classification": BertForSequenceClassification,
             "token_classification": BertForTokenClassification,
             "masked_lm": BertForMaskedLM,
+            "question_answering": BertForQuestionAnswering,
         },
         hf_prefix="bert.",
         base_rules=BERT_BASE_RULES,
@@ -798,6 +850,8 @@ FAMILIES: dict[str, Family] = {
         fuse_state=_modernbert_fuse,
     ),
 }
+# In-tree heads whose structure hf_tfm does not have: importing one raises this reason instead of guessing.
+REFUSED_IMPORTS: dict[type, str] = {ModernBertForQuestionAnswering: MODERNBERT_QA_REFUSAL}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -843,7 +897,8 @@ def from_hf(model_or_path: PreTrainedModel | str | Path) -> TfmPreTrainedModel:
     """An in-tree Llama / Mistral / Qwen2 / GPT-2 / BERT / ModernBERT model (object or folder) as hf_tfm's equivalent.
 
     The head follows the source: `*Model` -> `TfmModel`, `*ForCausalLM`/`GPT2LMHeadModel` -> `TfmForCausalLM`,
-    `*ForSequenceClassification`, `*ForTokenClassification`, `BertForMaskedLM` -> the hf_tfm head of that name. Weights
+    `*ForSequenceClassification`, `*ForTokenClassification`, `*ForQuestionAnswering`, `*ForMaskedLM` -> the hf_tfm head
+    of that name (not ModernBertForQuestionAnswering, whose span head has an extra transform). Weights
     are copied (GPT-2's Conv1D ones transposed), the attention backend, dtype and generation config are kept.
     """
     source = _load_in_tree(model_or_path) if isinstance(model_or_path, (str, Path)) else model_or_path

@@ -94,15 +94,12 @@ def _has_module(name: str) -> bool:
 
 def _export(config: TfmConfig, architecture: str) -> dict[str, Support]:
     try:
-        from .convert import export_blockers
+        from .convert import TFM_CLASSES, export_blockers
     except ImportError as err:
         return {"in-tree families": (False, f"hf_tfm.convert is not available ({err})")}
-    head = {
-        "TfmForCausalLM": "causal_lm",
-        "TfmForSequenceClassification": "sequence_classification",
-        "TfmForTokenClassification": "token_classification",
-        "TfmForMaskedLM": "masked_lm",
-    }.get(architecture, "base")
+    head = next((head for head, cls in TFM_CLASSES.items() if cls.__name__ == architecture), None)
+    if head is None:  # a head the converter does not know: say so rather than report the base model's answer
+        return {"in-tree families": (False, f"no in-tree export for this head ({architecture})")}
     try:
         blockers = export_blockers(config, head)
     except Exception as err:  # the converter is another module's contract; report rather than crash

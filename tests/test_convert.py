@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoModelForCausalLM, AutoModelForQuestionAnswering, AutoModelForSequenceClassification
 
 import hf_tfm
 from hf_tfm.convert import convert_path, export_blockers, from_hf, to_hf
@@ -67,6 +67,12 @@ CASES = {
     "bert-seqcls": ("BertForSequenceClassification", "BertConfig", {**BERT, "num_labels": 3}),
     "bert-tokcls": ("BertForTokenClassification", "BertConfig", BERT),
     "bert-mlm": ("BertForMaskedLM", "BertConfig", BERT),
+    # Question answering: Llama's and Qwen2's keep the backbone under `transformer.`, Mistral's under `model.`.
+    "llama-qa": ("LlamaForQuestionAnswering", "LlamaConfig", LLAMA_LIKE),
+    "mistral-qa": ("MistralForQuestionAnswering", "MistralConfig", {**LLAMA_LIKE, "sliding_window": 4}),
+    "qwen2-qa": ("Qwen2ForQuestionAnswering", "Qwen2Config", LLAMA_LIKE),
+    "gpt2-qa": ("GPT2ForQuestionAnswering", "GPT2Config", GPT2),
+    "bert-qa": ("BertForQuestionAnswering", "BertConfig", BERT),
 }
 DECODER_LMS = [name for name, (cls, _, _) in CASES.items() if cls.endswith(("ForCausalLM", "LMHeadModel"))]
 
@@ -107,6 +113,8 @@ def padded_batch(model):
 def outputs(model, inputs):
     with torch.no_grad():
         out = model(**inputs)
+    if hasattr(out, "start_logits"):  # question answering: (B, T, 2) start / end logits
+        return torch.stack((out.start_logits, out.end_logits), dim=-1)
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
@@ -193,6 +201,26 @@ def test_unexportable_config_names_every_blocking_knob():
         to_hf(hf_tfm.TfmForMaskedLM(hf_tfm.TfmConfig(**SMALL)))
 
 
+def test_question_answering_exports_and_blocks_by_head():
+    config = from_hf(build("llama-qa")).config
+    assert export_blockers(config, "question_answering")["llama"] == []
+    bert = from_hf(build("bert-qa")).config
+    bert.num_labels = 3  # BertForQuestionAnswering sizes qa_outputs by num_labels; hf_tfm's is always 2
+    assert any("num_labels" in b for b in export_blockers(bert, "question_answering")["bert"])
+    with pytest.raises(ValueError, match="num_labels"):
+        from_hf(transformers.BertForQuestionAnswering(transformers.BertConfig(**BERT, num_labels=3)))
+
+
+def test_info_reports_the_real_head():
+    from hf_tfm.info import _export
+
+    config = from_hf(build("llama-qa")).config
+    assert _export(config, "TfmForQuestionAnswering")["llama"] == (True, "")
+    assert _export(config, "TfmForSomethingNew") == {
+        "in-tree families": (False, "no in-tree export for this head (TfmForSomethingNew)")
+    }
+
+
 def test_unsupported_in_tree_variant_is_refused():
     config = transformers.GPT2Config(**GPT2, scale_attn_by_inverse_layer_idx=True)
     with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
@@ -206,7 +234,12 @@ def test_classifier_knobs_validate():
 
 @pytest.mark.parametrize(
     ("case", "auto_class"),
-    [("llama-lm-tied-bias-llama3-rope", AutoModelForCausalLM), ("bert-seqcls", AutoModelForSequenceClassification)],
+    [
+        ("llama-lm-tied-bias-llama3-rope", AutoModelForCausalLM),
+        ("bert-seqcls", AutoModelForSequenceClassification),
+        ("llama-qa", AutoModelForQuestionAnswering),
+        ("bert-qa", AutoModelForQuestionAnswering),
+    ],
 )
 def test_convert_path_both_directions(tmp_path, case, auto_class):
     reference = build(case)

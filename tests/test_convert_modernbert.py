@@ -183,6 +183,18 @@ def test_unexportable_modernbert_configs_name_their_knobs():
     assert any("token_classification" in b for b in blockers["modernbert"])
 
 
+def test_question_answering_is_refused_both_ways():
+    """ModernBertForQuestionAnswering runs a dense + act + norm head before its span classifier;
+    TfmForQuestionAnswering has a plain qa_outputs, so neither direction claims parity."""
+    reference = transformers.ModernBertForQuestionAnswering(transformers.ModernBertConfig(**MODERNBERT))
+    with pytest.raises(ValueError, match=r"ModernBertForQuestionAnswering.*dense"):
+        from_hf(reference)
+    config = from_hf(build("base")).config
+    assert any("question_answering" in b for b in export_blockers(config, "question_answering")["modernbert"])
+    with pytest.raises(ValueError, match=r"Closest family: modernbert.*dense \+ activation \+ norm"):
+        to_hf(hf_tfm.TfmForQuestionAnswering(config))
+
+
 @pytest.mark.parametrize(
     ("case", "auto_class"), [("mlm", AutoModelForMaskedLM), ("seqcls-cls", AutoModelForSequenceClassification)]
 )
