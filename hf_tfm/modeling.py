@@ -7,7 +7,6 @@ transformers. This file imports only torch, transformers and `.configuration`: a
 code and loads where hf_tfm is not installed.
 """
 
-import inspect
 import json
 import math
 import shutil
@@ -681,11 +680,6 @@ class TfmForCausalLM(TfmPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
-
-
-# generate() calls inspect.signature(self.forward) on every decode step for remote-code models (looking for the removed
-# `cache_position`); a precomputed signature (the same one inspect would build) makes that lookup ~4x cheaper.
-TfmForCausalLM.forward.__signature__ = inspect.signature(TfmForCausalLM.forward)
 
 
 def pool(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, how: str, pad_mask: torch.Tensor | None):
