@@ -44,7 +44,7 @@ DEMO_PROFILES: dict[str, dict[str, Any]] = {
         "corpus_chars": 8_000_000,
         "vocab_size": 2048,
         "lm_config": {"hidden_size": 192, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2},
-        "lm": {"max_steps": 1200, "batch_size": 16, "seq_len": 128, "learning_rate": 2e-3},
+        "lm": {"max_steps": 2400, "batch_size": 16, "seq_len": 128, "learning_rate": 2e-3},
         "clf": {"max_steps": 400, "batch_size": 16, "seq_len": 128, "learning_rate": 2e-3},
         "max_new_tokens": 48,
     },
