@@ -295,11 +295,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # pretrain / finetune
 
 
+def _tokenizer_and_model(args: argparse.Namespace, texts: list[str], settings) -> tuple[Any, Any]:
+    """The tokenizer and what to train: `--model` (its path or Hub id, with its tokenizer), else a tokenizer trained on
+    the texts and the `--config` preset sized to it."""
+    from .presets import load_config
+    from .tokenization import train_bpe_tokenizer
+
+    if args.model:
+        if Path(args.model).exists():  # otherwise a Hub id, resolved by from_pretrained
+            _require_model_dir(args.model)
+        return _load_tokenizer(args.model), args.model
+    tokenizer = train_bpe_tokenizer(texts, vocab_size=args.vocab_size)
+    config = load_config(
+        args.config,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=max(settings.seq_len, 64),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return tokenizer, config
+
+
 def cmd_pretrain(args: argparse.Namespace) -> int:
     from .data import load_texts
-    from .presets import load_config
     from .recipes import check_output_dir, load_causal_lm, pretrain_causal_lm, staged_dir, write_model_card
-    from .tokenization import train_bpe_tokenizer
 
     check_output_dir(args.output_dir, args.overwrite)
     texts = load_texts(args.train_file, args.text_column)
@@ -308,22 +328,11 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     else:
         texts, eval_texts = _split_held_out(texts, 0.1, args.seed)
     settings = _settings(args, max_steps=200, learning_rate=1e-3 if args.model is None else 3e-4)
+    tokenizer, model = _tokenizer_and_model(args, texts, settings)
     if args.model:
-        if Path(args.model).exists():  # otherwise a Hub id, resolved by from_pretrained
-            _require_model_dir(args.model)
-        tokenizer = _load_tokenizer(args.model)
         model = load_causal_lm(args.model)
         source = f"continued from `{args.model}`"
     else:
-        tokenizer = train_bpe_tokenizer(texts, vocab_size=args.vocab_size)
-        model = load_config(
-            args.config,
-            vocab_size=len(tokenizer),
-            max_position_embeddings=max(settings.seq_len, 64),
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
         if not model.is_causal:
             raise CliError(f"--config {args.config} is an encoder (is_causal=False); pretrain needs a decoder")
         source = f"from scratch, config `{args.config}`"
@@ -355,9 +364,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     from collections import Counter
 
     from .data import load_labelled
-    from .presets import load_config
     from .recipes import check_output_dir, finetune_classifier, staged_dir, write_model_card
-    from .tokenization import train_bpe_tokenizer
 
     check_output_dir(args.output_dir, args.overwrite)
     texts, labels = load_labelled(args.train_file, args.text_column, args.label_column)
@@ -372,23 +379,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     train_ids, eval_ids = [to_id[x] for x in labels], [to_id[x] for x in eval_labels]
     lora = args.lora if args.lora is not None else args.model is not None
     settings = _settings(args, max_steps=200, learning_rate=2e-3 if lora else 1e-3, seq_len=128)
-    if args.model:
-        if Path(args.model).exists():  # otherwise a Hub id, resolved by from_pretrained
-            _require_model_dir(args.model)
-        tokenizer = _load_tokenizer(args.model)
-        model: Any = args.model
-        source = f"fine-tuned from `{args.model}`"
-    else:
-        tokenizer = train_bpe_tokenizer(texts, vocab_size=args.vocab_size)
-        model = load_config(
-            args.config,
-            vocab_size=len(tokenizer),
-            max_position_embeddings=max(settings.seq_len, 64),
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-        source = f"trained from scratch, config `{args.config}`"
+    tokenizer, model = _tokenizer_and_model(args, texts, settings)
+    source = f"fine-tuned from `{args.model}`" if args.model else f"trained from scratch, config `{args.config}`"
     majority = Counter(train_ids).most_common(1)[0][0]
     baseline = sum(x == majority for x in eval_ids) / len(eval_ids)
     with staged_dir(args.output_dir, overwrite=args.overwrite) as stage:
