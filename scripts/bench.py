@@ -1,18 +1,19 @@
 #!/usr/bin/env python
 """Benchmark hf_tfm against transformers' in-tree models on equal work, in one process, interleaved round by round.
 
-Pairs (hf_tfm config built to the same shapes as the in-tree model):
+Pairs: each in-tree model is built from its config (random weights, no dropout), and the hf_tfm side is
+``hf_tfm.from_hf(in_tree_model)``: an equivalent config, the same weights (copied), dtype and attention backend
+(sdpa), so the two compute the same function.
 
-- ``llama``: llama-style TfmConfig (RoPE, RMSNorm, SwiGLU, no biases, untied) vs ``LlamaForCausalLM``
-- ``gpt2``: gpt2-style TfmConfig (learned positions, LayerNorm, gelu MLP, biases, tied) vs ``GPT2LMHeadModel``
-- ``bert``: post-norm encoder classifier (learned positions, token types, embedding LayerNorm) vs
-  ``BertForSequenceClassification``
-- ``modernbert``: pre-norm encoder classifier (RoPE, bias-free LayerNorm, GeGLU, embedding norm) vs
-  ``ModernBertForSequenceClassification`` (all layers global attention, so both do the same attention work)
+- ``llama``: ``LlamaForCausalLM`` (RoPE, RMSNorm, SwiGLU, no biases, untied head)
+- ``gpt2``: ``GPT2LMHeadModel`` (learned positions, LayerNorm, gelu_new MLP, biases, tied head)
+- ``bert``: ``BertForSequenceClassification`` (post-norm, learned positions, token types, embedding LayerNorm, pooler)
+- ``modernbert``: ``ModernBertForSequenceClassification`` (pre-norm, RoPE, bias-free LayerNorm, GeGLU, embedding norm,
+  dense+act+norm head), all layers global attention (``layer_types``), as ``train_flops`` counts
 
-Weights are not copied (timing does not depend on their values), but every matmul has the same shape, so FLOPs match;
-the few differences (BERT's pooler, ModernBERT's head dense+norm, GPT-2's Conv1D layout) are a few hidden x hidden
-matmuls on one token per row and are listed in the JSON ``notes``. Same dtype, same attention backend (sdpa).
+Every matmul has the same shape on both sides, so FLOPs match. The one layout difference (GPT-2's Conv1D ``x @ W`` and
+fused ``c_attn`` where hf_tfm has ``nn.Linear`` and separate q/k/v) is listed in the JSON ``notes``, with BERT's pooler
+and ModernBERT's head, which both sides run and ``train_flops`` leaves out (one row per sequence).
 
 Tasks: ``train`` (causal LM, forward+backward+AdamW step), ``prefill`` (no-grad forward that fills a KV cache, last
 logits only, as generate() does), ``decode_b1``/``decode_b8`` (``generate()`` greedy, prompt 32, 64 new tokens, batch
@@ -62,7 +63,7 @@ from transformers import (
     ModernBertForSequenceClassification,
 )
 
-from hf_tfm import TfmConfig, TfmForCausalLM, TfmForSequenceClassification
+from hf_tfm import from_hf
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Sizes and task shapes
@@ -109,164 +110,68 @@ class Pair:
     notes: str = ""
 
 
-def build_pair(name: str, size: str, dtype: torch.dtype, attn: str, device: str) -> Pair:
+def in_tree_model(name: str, size: str, dtype: torch.dtype, attn: str) -> tuple[nn.Module, list[tuple[int, int]]]:
+    """The in-tree model of pair `name` (random weights, no dropout) and the (in, out) shape of each of its matmuls."""
     s = SIZES[size]
     h, n_layers, heads, vocab = s["hidden"], s["layers"], s["heads"], s["vocab"]
-    max_pos = 512
-    common = {"attn_implementation": attn, "dtype": dtype}
+    dims = {"vocab_size": vocab, "hidden_size": h, "num_hidden_layers": n_layers, "num_attention_heads": heads}
+    dims["max_position_embeddings"] = 512
+    ids = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    glu, mlp = glu_intermediate(h), 4 * h
     if name == "llama":
-        inter = glu_intermediate(h)
-        ours_cfg = TfmConfig(
-            vocab_size=vocab,
-            hidden_size=h,
-            num_hidden_layers=n_layers,
-            num_attention_heads=heads,
-            intermediate_size=inter,
-            max_position_embeddings=max_pos,
-            tie_word_embeddings=False,
-            norm_eps=1e-6,
-        )
-        theirs_cfg = LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=h,
-            num_hidden_layers=n_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=heads,
-            intermediate_size=inter,
-            max_position_embeddings=max_pos,
-            tie_word_embeddings=False,
-            rms_norm_eps=1e-6,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
-        ours = TfmForCausalLM._from_config(ours_cfg, **common)
-        theirs = LlamaForCausalLM._from_config(theirs_cfg, **common)
-        linears = [(h, h)] * 4 + [(h, inter)] * 2 + [(inter, h)]
-        pair = Pair(name, ours, theirs, "LlamaForCausalLM", "causal", linears * n_layers + [(h, vocab)])
+        cls, inter = LlamaForCausalLM, glu
+        cfg = LlamaConfig(**dims, **ids, intermediate_size=inter, rms_norm_eps=1e-6, tie_word_embeddings=False)
     elif name == "gpt2":
-        ours_cfg = TfmConfig(
-            vocab_size=vocab,
-            hidden_size=h,
-            num_hidden_layers=n_layers,
-            num_attention_heads=heads,
-            intermediate_size=4 * h,
-            max_position_embeddings=max_pos,
-            position_embedding_type="learned",
-            norm_type="layernorm",
-            norm_eps=1e-5,
-            ffn_type="mlp",
-            hidden_act="gelu_new",
-            attention_bias=True,
-            mlp_bias=True,
-            tie_word_embeddings=True,
-        )
-        theirs_cfg = GPT2Config(
-            vocab_size=vocab,
-            n_embd=h,
-            n_layer=n_layers,
-            n_head=heads,
-            n_inner=4 * h,
-            n_positions=max_pos,
-            activation_function="gelu_new",
-            layer_norm_epsilon=1e-5,
-            tie_word_embeddings=True,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
-        ours = TfmForCausalLM._from_config(ours_cfg, **common)
-        theirs = GPT2LMHeadModel._from_config(theirs_cfg, **common)
-        linears = [(h, h)] * 4 + [(h, 4 * h), (4 * h, h)]
-        pair = Pair(name, ours, theirs, "GPT2LMHeadModel", "causal", linears * n_layers + [(h, vocab)])
-        pair.notes = "GPT-2 uses Conv1D (x @ W) where hf_tfm uses nn.Linear (x @ W.T): same FLOPs."
+        cls, inter = GPT2LMHeadModel, mlp
+        dims = {"vocab_size": vocab, "n_embd": h, "n_layer": n_layers, "n_head": heads, "n_positions": 512}
+        no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+        cfg = GPT2Config(**dims, **ids, **no_dropout, n_inner=inter, activation_function="gelu_new")
     elif name == "bert":
-        ours_cfg = TfmConfig(
-            vocab_size=vocab,
-            hidden_size=h,
-            num_hidden_layers=n_layers,
-            num_attention_heads=heads,
-            intermediate_size=4 * h,
-            max_position_embeddings=max_pos,
-            is_causal=False,
-            position_embedding_type="learned",
-            type_vocab_size=2,
-            norm_type="layernorm",
-            norm_eps=1e-12,
-            norm_position="post",
-            embedding_norm=True,
-            ffn_type="mlp",
-            hidden_act="gelu",
-            attention_bias=True,
-            mlp_bias=True,
-            num_labels=NUM_LABELS,
-        )
-        theirs_cfg = BertConfig(
-            vocab_size=vocab,
-            hidden_size=h,
-            num_hidden_layers=n_layers,
-            num_attention_heads=heads,
-            intermediate_size=4 * h,
-            max_position_embeddings=max_pos,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            num_labels=NUM_LABELS,
-            pad_token_id=0,
-        )
-        ours = TfmForSequenceClassification._from_config(ours_cfg, **common)
-        theirs = BertForSequenceClassification._from_config(theirs_cfg, **common)
-        linears = [(h, h)] * 4 + [(h, 4 * h), (4 * h, h)]
-        pair = Pair(name, ours, theirs, "BertForSequenceClassification", "encoder", linears * n_layers)
-        pair.notes = "BERT adds a pooler (hidden x hidden on the [CLS] row only): negligible FLOPs."
+        cls, inter = BertForSequenceClassification, mlp
+        no_dropout = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+        cfg = BertConfig(**dims, **no_dropout, intermediate_size=inter, num_labels=NUM_LABELS, pad_token_id=0)
     elif name == "modernbert":
-        inter = glu_intermediate(h)
-        ours_cfg = TfmConfig(
-            vocab_size=vocab,
-            hidden_size=h,
-            num_hidden_layers=n_layers,
-            num_attention_heads=heads,
-            intermediate_size=inter,
-            max_position_embeddings=max_pos,
-            is_causal=False,
-            position_embedding_type="rope",
-            norm_type="layernorm",
-            norm_bias=False,
-            norm_eps=1e-5,
-            embedding_norm=True,
-            first_layer_attn_norm=False,  # ModernBERT's layer 0 has no attention norm
-            ffn_type="glu",
-            hidden_act="gelu",
-            num_labels=NUM_LABELS,
-        )
-        theirs_cfg = ModernBertConfig(
-            vocab_size=vocab,
-            hidden_size=h,
-            num_hidden_layers=n_layers,
-            num_attention_heads=heads,
-            intermediate_size=inter,
-            max_position_embeddings=max_pos,
-            layer_types=["full_attention"] * n_layers,
-            num_labels=NUM_LABELS,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
+        cls, inter = ModernBertForSequenceClassification, glu
+        cfg = ModernBertConfig(
+            **dims,
+            **ids,
             cls_token_id=1,
             sep_token_id=2,
-        )
-        ours = TfmForSequenceClassification._from_config(ours_cfg, **common)
-        theirs = ModernBertForSequenceClassification._from_config(theirs_cfg, **common)
-        linears = [(h, h)] * 4 + [(h, inter)] * 2 + [(inter, h)]
-        pair = Pair(name, ours, theirs, "ModernBertForSequenceClassification", "encoder", linears * n_layers)
-        pair.notes = (
-            "ModernBERT: all layers global attention (layer_types), so attention work matches; its head adds a "
-            "dense+act+norm on the pooled row (negligible)."
+            intermediate_size=inter,
+            num_labels=NUM_LABELS,
+            # all layers global (the default alternates with sliding-window layers), as train_flops counts
+            layer_types=["full_attention"] * n_layers,
         )
     else:
         raise ValueError(name)
-    pair.attn = {"layers": n_layers, "heads": heads, "head_dim": h // heads, "causal": pair.kind == "causal"}
+    ffn = [(h, inter), (h, inter), (inter, h)] if inter == glu else [(h, inter), (inter, h)]  # GLU: gate and up
+    head = [(h, vocab)] if name in ("llama", "gpt2") else []
+    return cls._from_config(cfg, attn_implementation=attn, dtype=dtype), ([(h, h)] * 4 + ffn) * n_layers + head
+
+
+NOTES = {
+    "gpt2": "GPT-2 uses Conv1D (x @ W) and a fused c_attn where hf_tfm uses nn.Linear (x @ W.T) and separate q/k/v "
+    "projections: same FLOPs.",
+    "bert": "BERT's pooler (hidden x hidden + tanh on the [CLS] row) is hf_tfm's classifier dense: both sides run it; "
+    "not counted in train_flops (negligible).",
+    "modernbert": "ModernBERT: all layers global attention (layer_types), so attention work matches train_flops; its "
+    "head's dense+act+norm on the pooled row runs on both sides (not counted in train_flops, negligible).",
+}
+
+
+def build_pair(name: str, size: str, dtype: torch.dtype, attn: str, device: str) -> Pair:
+    """The in-tree model and `from_hf` of it: equivalent config, same weights, same dtype and attention backend."""
+    theirs, linears = in_tree_model(name, size, dtype, attn)
+    ours = from_hf(theirs)
+    kind = "causal" if name in ("llama", "gpt2") else "encoder"
+    pair = Pair(name, ours, theirs, type(theirs).__name__, kind, linears, notes=NOTES.get(name, ""))
+    s = SIZES[size]
+    pair.attn = {
+        "layers": s["layers"],
+        "heads": s["heads"],
+        "head_dim": s["hidden"] // s["heads"],
+        "causal": kind == "causal",
+    }
     for model in (pair.ours, pair.theirs):
         model.to(device)
         if pair.kind == "causal":  # decode exactly `new` tokens: no EOS stop, same processors for both
