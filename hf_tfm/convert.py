@@ -880,6 +880,7 @@ def _build(cls, config, source: torch.nn.Module, state: dict) -> PreTrainedModel
             f"Weight mapping for {cls.__name__} is incomplete: missing {missing}, unexpected {unexpected}."
         )
     model.to(dtype)
+    model.config.dtype = dtype  # saved as config.json's "dtype", as from_pretrained would record it
     if getattr(source, "generation_config", None) is not None and model.can_generate():
         model.generation_config = GenerationConfig.from_dict(source.generation_config.to_dict())
     model.train(source.training)
