@@ -529,7 +529,7 @@ class TfmModel(TfmPreTrainedModel):
             # An empty cache we just made adds no offset; leaving it out lets the masks see packed position_ids.
             masks = self._build_masks(inputs_embeds, attention_mask, None if fresh_cache else cache, position_ids)
         position_embeddings = self._rotary(hidden_states, position_ids)
-        biases = self._alibi_biases(seq_length, cache, inputs_embeds.dtype) if self.alibi is not None else {}
+        biases = self._alibi_biases(inputs_embeds, cache) if self.alibi is not None else {}
 
         for layer, layer_type in zip(self.layers, config.layer_types, strict=True):
             hidden_states = layer(
@@ -608,8 +608,9 @@ class TfmModel(TfmPreTrainedModel):
             masks["sliding_attention"] = create_bidirectional_sliding_window_mask(**kwargs)
         return masks
 
-    def _alibi_biases(self, seq_length: int, cache: Cache | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def _alibi_biases(self, inputs_embeds: torch.Tensor, cache: Cache | None) -> dict[str, torch.Tensor]:
         """ALiBi bias per layer type, on the same absolute query/key indices the masks use (cache offsets included)."""
+        batch_size, seq_length = inputs_embeds.shape[:2]
         biases = {}
         device = self.alibi.slopes.device
         for layer_type in set(self.config.layer_types):
@@ -620,7 +621,8 @@ class TfmModel(TfmPreTrainedModel):
                 kv_length, kv_offset = cache.get_mask_sizes(seq_length, layer_idx)
             q_positions = torch.arange(seq_length, device=device) + q_offset
             k_positions = torch.arange(kv_length, device=device) + kv_offset
-            biases[layer_type] = self.alibi(q_positions, k_positions, dtype)
+            bias = self.alibi(q_positions, k_positions, inputs_embeds.dtype)  # (1, H, T, S)
+            biases[layer_type] = bias.expand(batch_size, -1, -1, -1)  # a view; flex indexes the bias per batch row
         return biases
 
 

@@ -118,3 +118,17 @@ def test_auto_config(tmp_path):
     tiny_config(ffn_type="mlp").save_pretrained(tmp_path)
     loaded = AutoConfig.from_pretrained(tmp_path)
     assert isinstance(loaded, TfmConfig) and loaded.ffn_type == "mlp"
+
+
+def test_registration_is_idempotent():
+    """Registering again (a re-import, or a second `_register()` call) is harmless and keeps the same classes."""
+    import importlib
+
+    from transformers import AutoModelForCausalLM
+
+    import hf_tfm
+
+    hf_tfm._register()
+    importlib.reload(hf_tfm)
+    config = AutoConfig.for_model("hf_tfm", vocab_size=99, hidden_size=32, num_attention_heads=4)
+    assert type(AutoModelForCausalLM.from_config(config)).__name__ == "TfmForCausalLM"

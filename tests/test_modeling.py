@@ -484,3 +484,26 @@ def test_packed_eval_forward_keeps_sequences_apart(position_embedding_type):
         packed = model(torch.cat([first, second], 1), position_ids=position_ids).logits
         alone = model(second).logits
     torch.testing.assert_close(packed[:, 5:], alone, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow  # flex_attention compiles a kernel per shape on CPU (~5 s each); forward only (no CPU backward)
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"position_embedding_type": "alibi"},
+        {"position_embedding_type": "alibi", "is_causal": False},
+        {"sliding_window": 3},
+    ],
+    ids=["rope", "alibi-decoder", "alibi-encoder", "sliding"],
+)
+def test_flex_attention_matches_eager(overrides):
+    """A batch of 2 through flex_attention equals eager: masks, GQA, sliding windows and the per-row ALiBi bias."""
+    config = tiny_config(num_key_value_heads=2, **overrides)
+    model = build(TfmForCausalLM if config.is_causal else TfmForMaskedLM, config)
+    ids = random_ids(2, 16)
+    with torch.no_grad():
+        eager = model(ids).logits
+        model.set_attn_implementation("flex_attention")
+        flex = model(ids).logits
+    torch.testing.assert_close(flex, eager, atol=1e-5, rtol=0)
