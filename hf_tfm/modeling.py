@@ -440,6 +440,15 @@ class TfmPreTrainedModel(PreTrainedModel):
                 init.copy_(getattr(module, f"{layer_type}_original_inv_freq"), inv_freq)
 
 
+def _check_ids(ids: torch.Tensor, limit: int, name: str, knob: str) -> None:
+    """Out-of-range ids would index past an embedding table: say which, instead of an opaque IndexError."""
+    if torch.compiler.is_compiling() or ids.numel() == 0:
+        return
+    low, high = (t.item() for t in torch.aminmax(ids))  # two syncs, no extra comparison kernels
+    if low < 0 or high >= limit:
+        raise ValueError(f"`{name}` must lie in [0, {limit}) ({knob}), got values in [{low}, {high}].")
+
+
 class TfmModel(TfmPreTrainedModel):
     """The backbone: embeddings, `num_hidden_layers` blocks and (pre-norm) a final norm. Encoder or decoder."""
 
@@ -498,7 +507,7 @@ class TfmModel(TfmPreTrainedModel):
         past_length = cache.get_seq_length() if cache is not None else 0
 
         if input_ids is not None:
-            self._check_input_ids(input_ids)
+            _check_ids(input_ids, self.config.vocab_size, "input_ids", "vocab_size")
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, seq_length = inputs_embeds.shape[:2]
         if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2:
@@ -518,6 +527,7 @@ class TfmModel(TfmPreTrainedModel):
         if self.token_type_embeddings is not None:
             if token_type_ids is None:
                 token_type_ids = torch.zeros_like(position_ids)
+            _check_ids(token_type_ids, self.config.type_vocab_size, "token_type_ids", "type_vocab_size")
             hidden_states = hidden_states + self.token_type_embeddings(token_type_ids)
         if self.config.embedding_norm:
             hidden_states = self.embed_norm(hidden_states)
@@ -551,15 +561,6 @@ class TfmModel(TfmPreTrainedModel):
             return {t: self.rotary_emb(hidden_states, position_ids, t) for t in self.rotary_emb.layer_types}
         shared = self.rotary_emb(hidden_states, position_ids)
         return dict.fromkeys(self.config.layer_types, shared)
-
-    def _check_input_ids(self, input_ids: torch.Tensor) -> None:
-        if torch.compiler.is_compiling() or input_ids.numel() == 0:
-            return
-        low, high = (t.item() for t in torch.aminmax(input_ids))  # two syncs, no extra comparison kernels
-        if low < 0 or high >= self.config.vocab_size:
-            raise ValueError(
-                f"`input_ids` must lie in [0, {self.config.vocab_size}) (vocab_size), got values in [{low}, {high}]."
-            )
 
     def _absolute_positions(self, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if isinstance(self.embed_positions, nn.Embedding) and not torch.compiler.is_compiling():

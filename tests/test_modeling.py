@@ -417,6 +417,12 @@ def test_token_ids_out_of_range(lm, bad):
         lm(input_ids=ids)
 
 
+def test_token_type_ids_out_of_range():
+    model = build(TfmForMaskedLM, tiny_config(is_causal=False, type_vocab_size=2))
+    with pytest.raises(ValueError, match=r"token_type_ids.*\[0, 2\).*type_vocab_size"):
+        model(input_ids=random_ids(1, 4), token_type_ids=torch.tensor([[0, 1, 2, 0]]))
+
+
 def test_attention_mask_shape_mismatch(lm):
     with pytest.raises(ValueError, match=r"attention_mask.*\(2, 5\)"):
         lm(input_ids=random_ids(2, 5), attention_mask=torch.ones(2, 4, dtype=torch.long))
