@@ -214,6 +214,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             clf_dir,
             lora=True,
             config_overrides=overrides,
+            adapter_base=str(out / "lm"),  # where lm/ will be once the staged folder is renamed
         )
         majority, baseline = task.majority_baseline()
         print(f"      test accuracy {clf['test_accuracy']:.3f} vs majority-class baseline {baseline:.3f} ({majority})")
@@ -309,11 +310,13 @@ def _tokenizer_and_model(args: argparse.Namespace, texts: list[str], settings) -
     config = load_config(
         args.config,
         vocab_size=len(tokenizer),
-        max_position_embeddings=max(settings.seq_len, 64),
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
+    # Grow the preset's position range to the training length if needed, never shrink it (learned positions would
+    # then refuse longer texts at classify/generate time).
+    config.max_position_embeddings = max(config.max_position_embeddings, settings.seq_len)
     return tokenizer, config
 
 
@@ -459,11 +462,12 @@ def cmd_classify(args: argparse.Namespace) -> int:
     tokenizer = _load_tokenizer(args.model)
     model = AutoModelForSequenceClassification.from_pretrained(args.model, trust_remote_code=True).eval()
     id2label = model.config.id2label
+    max_length = min(args.max_length, model.config.max_position_embeddings)  # learned positions stop there
     results = []
     with torch.no_grad():
         for start in range(0, len(texts), args.batch_size):
             batch = texts[start : start + args.batch_size]
-            enc = tokenizer(batch, truncation=True, max_length=args.max_length, padding=True, return_tensors="pt")
+            enc = tokenizer(batch, truncation=True, max_length=max_length, padding=True, return_tensors="pt")
             probs = model(**enc).logits.softmax(-1)
             for text, row in zip(batch, probs, strict=True):
                 top = row.topk(min(args.top_k, row.numel()))

@@ -454,7 +454,9 @@ class TfmModel(TfmPreTrainedModel):
 
     def __init__(self, config: TfmConfig) -> None:
         super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        # No padding_idx: it would freeze the pad row's gradient, and GPT-2-style vocabularies use eos as pad (a
+        # real token). Padding needs no help: masked keys and -100 labels already give pad tokens no gradient.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_positions = None
         self.rotary_emb = None
         self.alibi = None

@@ -302,6 +302,32 @@ def generate_in_fresh_process(
 # Sequence classification
 
 
+def _model_name(model: PreTrainedModel | TfmConfig | str | os.PathLike) -> str | None:
+    """What an adapter should name as its base: a checkpoint folder (absolute) or Hub id, else nothing."""
+    if isinstance(model, (str, os.PathLike)):
+        return str(Path(model).resolve()) if Path(model).exists() else str(model)
+    return None
+
+
+def _save_adapter(
+    peft_model: Any, folder: Path, base: str | None, label_kwargs: dict, overrides: dict[str, Any] | None
+) -> None:
+    """Save the adapter naming its real base, and say in its README how to rebuild the base it was trained on."""
+    if base is not None:
+        for adapter_config in peft_model.peft_config.values():
+            adapter_config.base_model_name_or_path = base
+    peft_model.save_pretrained(folder)
+    kwargs = {"num_labels": label_kwargs["num_labels"], **(overrides or {})}
+    call = ", ".join(f"{key}={value!r}" for key, value in kwargs.items())
+    with (folder / "README.md").open("a", encoding="utf-8") as readme:
+        readme.write(
+            "\n## Loading this adapter with hf-tfm\n\n"
+            "It was trained on the base loaded as\n\n```python\n"
+            f"base = AutoModelForSequenceClassification.from_pretrained({base!r}, trust_remote_code=True, {call})\n"
+            'model = PeftModel.from_pretrained(base, "<this folder>")\n```\n'
+        )
+
+
 def finetune_classifier(
     model: PreTrainedModel | TfmConfig | str | os.PathLike,
     tokenizer: PreTrainedTokenizerBase,
@@ -313,14 +339,18 @@ def finetune_classifier(
     lora: bool = False,
     lora_r: int = 8,
     config_overrides: dict[str, Any] | None = None,
+    adapter_base: str | None = None,
 ) -> dict[str, Any]:
     """Fine-tune a sequence classifier (fully, or with LoRA adapters plus a trained `score` head) and save it.
 
     `model` is a config (new model), a model, or a checkpoint path/id; a causal-LM checkpoint gets a fresh `score`
     head. With LoRA the folder holds the merged model (loadable by `AutoModelForSequenceClassification`) and the
-    adapter alone in `adapter/`. Returns test accuracy, loss history and sizes.
+    adapter alone in `adapter/`, whose `base_model_name_or_path` is `adapter_base` (default: `model` when it is a
+    path or Hub id; pass the final location when `model` sits in a staging folder). Returns test accuracy, loss
+    history and sizes.
     """
     out_dir = Path(out_dir)
+    adapter_base = adapter_base or _model_name(model)
     num_labels = len(label_names)
     label_kwargs = {
         "num_labels": num_labels,
@@ -380,7 +410,7 @@ def finetune_classifier(
     predicted = predicted.argmax(-1).tolist()
     accuracy = sum(p == t for p, t in zip(predicted, test[1], strict=True)) / max(len(test[1]), 1)
     if lora:
-        trainable.save_pretrained(out_dir / "adapter")
+        _save_adapter(trainable, out_dir / "adapter", adapter_base, label_kwargs, config_overrides)
         model = trainable.merge_and_unload()
     model.config.use_cache = True
     model.save_pretrained(out_dir)

@@ -15,6 +15,7 @@ from conftest import run_without_hf_tfm
 from fake_hub import FakeHub
 
 from hf_tfm.cli import main
+from hf_tfm.presets import load_config
 
 SCRIPT = Path(sys.executable).with_name("hf-tfm")
 TINY_TRAIN = ["--max-steps", "4", "--batch-size", "4", "--seq-len", "32", "--vocab-size", "300"]
@@ -89,6 +90,32 @@ def test_demo_folders_load_without_hf_tfm(demo, tmp_path):
     report = json.loads(stdout.strip().splitlines()[-1])
     assert report["lm"].startswith("transformers_modules.") and report["clf"].startswith("transformers_modules.")
     assert report["new"] > 1 and report["labels"] >= 5
+
+
+@pytest.mark.slow
+def test_demo_adapter_names_its_real_base(demo):
+    """The LoRA adapter points at the final lm/ (not the staging folder) and, loaded as its README says, equals
+    the merged classifier."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out = demo[0]
+    adapter = out / "classifier" / "adapter"
+    base_path = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert base_path == str(out / "lm")
+    assert "is_causal=False" in (adapter / "README.md").read_text()
+    labels = len(json.loads((out / "classifier" / "config.json").read_text())["id2label"])
+    base = AutoModelForSequenceClassification.from_pretrained(
+        base_path, trust_remote_code=True, num_labels=labels, is_causal=False, classifier_pooling="mean"
+    )
+    with_adapter = PeftModel.from_pretrained(base, adapter).eval()
+    merged = AutoModelForSequenceClassification.from_pretrained(out / "classifier").eval()
+    enc = AutoTokenizer.from_pretrained(out / "classifier")(
+        ["Return the event loop.", "Open a file"], padding=True, return_tensors="pt"
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(with_adapter(**enc).logits, merged(**enc).logits, atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
@@ -267,6 +294,9 @@ def test_finetune_from_scratch_with_a_preset(user_models):
     assert main([*argv, "--output-dir", str(out), *TINY_TRAIN]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["lora"] is False and metrics["trainable_parameters"] == metrics["parameters"]
+    # Training at --seq-len 32 must not shrink the preset's position range (learned positions would refuse more).
+    saved = json.loads((out / "config.json").read_text())["max_position_embeddings"]
+    assert saved == load_config("tiny-encoder").max_position_embeddings
 
 
 def test_generate_streams_text(user_models, capsys):

@@ -262,3 +262,27 @@ def test_convert_path_both_directions(tmp_path, case, auto_class):
     assert type(back) is type(reference)
     inputs, _ = padded_batch(reference)
     torch.testing.assert_close(outputs(back, inputs), outputs(reference, inputs), rtol=0, atol=0)
+
+
+def test_imported_gpt2_trains_like_gpt2_when_pad_is_eos():
+    """GPT-2 commonly pads with eos, a real token: its embedding row must keep its gradient after import."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=100,
+        n_embd=32,
+        n_layer=1,
+        n_head=4,
+        n_positions=16,
+        pad_token_id=99,
+        bos_token_id=99,
+        eos_token_id=99,
+    )
+    theirs = transformers.GPT2LMHeadModel(config).eval()  # no dropout: both sides compute the same function
+    ours = from_hf(theirs)
+    ids = torch.tensor([[5, 99, 7, 99]])
+    for model in (theirs, ours):
+        model(input_ids=ids, labels=ids).loss.backward()
+    grad_theirs = theirs.transformer.wte.weight.grad[99]
+    grad_ours = ours.model.embed_tokens.weight.grad[99]
+    assert grad_theirs.abs().sum() > 0
+    torch.testing.assert_close(grad_ours, grad_theirs, atol=1e-6, rtol=1e-5)
