@@ -78,6 +78,18 @@ def test_tied_model_stores_one_copy_and_stays_tied(tmp_path):
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
 
 
+@pytest.mark.parametrize("device_map", ["auto", "cpu"])
+def test_device_map_loading_keeps_ties_and_logits(tmp_path, device_map):
+    """Big-model loading (`device_map`, accelerate dispatch) gives the same logits and keeps the tie."""
+    model = build(TfmForCausalLM, tiny_config())
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, device_map=device_map, attn_implementation="eager").eval()
+    ids = random_ids(2, 6)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+
+
 def test_untied_model_stores_both(tmp_path):
     model = build(TfmForCausalLM, tiny_config(tie_word_embeddings=False))
     model.save_pretrained(tmp_path)
