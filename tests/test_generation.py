@@ -119,3 +119,27 @@ def test_seeded_sampling_is_reproducible(model):
     torch.manual_seed(0)
     no_cache = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **kwargs)
     assert torch.equal(no_cache, runs[0])  # the same draws from the same distributions
+
+
+@pytest.mark.slow  # inductor compiles on CPU: ~10 s
+def test_fullgraph_compile_and_compiled_static_generate():
+    """`_can_compile_fullgraph = True` is honest: a padded forward compiles with fullgraph=True and matches eager, and
+    generate() with a static cache compiles (CompileConfig) and gives the eager tokens."""
+    from transformers import CompileConfig
+
+    model = build(TfmForCausalLM, tiny_config(num_key_value_heads=2), attn_implementation="sdpa")
+    ids = random_ids(2, 8)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        eager = model(input_ids=ids, attention_mask=mask).logits
+        compiled = torch.compile(model, fullgraph=True)(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=0)
+
+    config = CompileConfig(fullgraph=True, mode="default", dynamic=False)
+    config._compile_all_devices = True  # generate() compiles only on accelerators unless told (private flag, 5.24)
+    kwargs = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False}
+    reference = model.generate(ids, **kwargs)
+    tokens = model.generate(ids, **kwargs, cache_implementation="static", compile_config=config)
+    assert hasattr(model, "_compiled_call")
+    assert torch.equal(tokens, reference)
