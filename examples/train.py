@@ -64,6 +64,9 @@ def main() -> None:
             "train_loss": result.training_loss,
         }
         (Path(args.output_dir) / "run.json").write_text(json.dumps(summary, indent=2))
+    if torch.distributed.is_initialized():  # shut gloo/nccl down cleanly: left to interpreter exit, a rank can abort
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
