@@ -21,6 +21,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.dynamic_module_utils import get_relative_import_files
+from transformers.integrations.sdpa_attention import repeat_kv  # (B, H_kv, S, D) -> (B, H, S, D) for GQA
 from transformers.masking_utils import (
     create_bidirectional_mask,
     create_bidirectional_sliding_window_mask,
@@ -208,15 +209,6 @@ class TfmAlibi(nn.Module):
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
-
-
-def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """(B, H_kv, S, D) -> (B, H_kv * n_rep, S, D): share each key/value head with its group of query heads."""
-    if n_rep == 1:
-        return hidden_states
-    batch, num_kv_heads, slen, head_dim = hidden_states.shape
-    hidden_states = hidden_states[:, :, None].expand(batch, num_kv_heads, n_rep, slen, head_dim)
-    return hidden_states.reshape(batch, num_kv_heads * n_rep, slen, head_dim)
 
 
 def eager_attention_forward(
