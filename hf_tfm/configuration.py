@@ -25,7 +25,7 @@ class TfmConfig(PreTrainedConfig):
     """
 
     model_type = "hf_tfm"
-    keys_to_ignore_at_inference = ["cache"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the output field's name on newer / older releases
     base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
@@ -156,12 +156,6 @@ class TfmConfig(PreTrainedConfig):
             )
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("`layer_types` has 'sliding_attention' layers but `sliding_window` is None.")
-        if self.position_embedding_type == "rope" and self.rope_per_layer_type:
-            missing = sorted(t for t in set(self.layer_types) if not self.rope_parameters.get(t))
-            if missing:
-                raise ValueError(
-                    f"`rope_parameters` is nested by layer type but has no entry for {missing} (in `layer_types`)."
-                )
         if not self.first_layer_attn_norm and self.norm_position != "pre":
             raise ValueError("`first_layer_attn_norm=False` needs `norm_position='pre'` (a post-norm is the output).")
         if self.parallel_residual and self.norm_position == "post":
@@ -192,10 +186,32 @@ class TfmConfig(PreTrainedConfig):
                 "(flash kernels take no additive bias); use 'sdpa', 'eager' or 'flex_attention'."
             )
 
+    def convert_rope_params_to_dict(self, **kwargs) -> dict:
+        """transformers' RoPE standardisation; a `rope_parameters` nested by layer type stays nested on every release.
+
+        Releases before 5.2x put the default `rope_theta` next to the nested entries, which un-nests the dict; here the
+        defaults go into each entry, as newer releases do.
+        """
+        if not self.rope_per_layer_type:
+            return super().convert_rope_params_to_dict(**kwargs)
+        missing = sorted(t for t in set(self.layer_types) if not self.rope_parameters.get(t))
+        if missing:
+            raise ValueError(
+                f"`rope_parameters` is nested by layer type but has no entry for {missing} (in `layer_types`)."
+            )
+        rope_theta = kwargs.pop("rope_theta", self.default_theta)
+        for params in self.rope_parameters.values():
+            if params is not None:
+                params.setdefault("rope_type", params.get("type", "default"))
+                params.setdefault("rope_theta", rope_theta)
+                if params["rope_type"] in ("llama3", "yarn", "longrope"):
+                    params.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+        return kwargs
+
     @property
     def rope_per_layer_type(self) -> bool:
         """True when `rope_parameters` is nested by layer type (one RoPE per entry of `layer_types`)."""
-        return bool(self.rope_parameters) and bool(self.nested_rope_parameter_keys(self.rope_parameters))
+        return bool(self.rope_parameters) and any(key in LAYER_TYPES for key in self.rope_parameters)
 
     @property
     def num_kv_groups(self) -> int:

@@ -7,6 +7,7 @@ transformers. This file imports only torch, transformers and `.configuration`: a
 code and loads where hf_tfm is not installed.
 """
 
+import functools
 import json
 import math
 import shutil
@@ -40,7 +41,7 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
@@ -49,6 +50,36 @@ from transformers.utils.output_capturing import capture_outputs
 from .configuration import TfmConfig
 
 logger = logging.get_logger(__name__)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# transformers 5.16.1 to the newest release. Up to 5.2x the KV cache keyword and output field is `past_key_values`;
+# newer releases call it `cache` (the old name a deprecated alias). What depends on the release is decided here, once.
+
+CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def accepts_cache_alias(forward: Callable) -> Callable:
+    """Take the cache as `cache` or `past_key_values` on every release (generate and PEFT pass the release's name)."""
+    if CACHE_NAME == "cache":  # the release's own deprecation path, with its warning
+        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+
+    @functools.wraps(forward)
+    def forward_with_alias(*args, **kwargs):
+        if "past_key_values" in kwargs:  # the current name on this release: no warning
+            kwargs["cache"] = kwargs.pop("past_key_values")
+        return forward(*args, **kwargs)
+
+    return forward_with_alias
+
+
+try:
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # transformers < 5.2x: the same slicing, inline in each model (int or 1-D positions)
+
+    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return hidden_states[:, keep, :]
+
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -375,7 +406,7 @@ class TfmPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["TfmBlock"]
-    _skip_keys_device_placement = ["cache"]
+    _skip_keys_device_placement = [CACHE_NAME]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -476,7 +507,7 @@ class TfmModel(TfmPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache_alias
     @capture_outputs
     def forward(
         self,
@@ -545,7 +576,7 @@ class TfmModel(TfmPreTrainedModel):
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_NAME: cache if use_cache else None})
 
     def _rotary(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> dict[str, tuple]:
         """RoPE (cos, sin) per layer type: one shared pair, or one per type when `rope_parameters` is nested."""
@@ -583,7 +614,7 @@ class TfmModel(TfmPreTrainedModel):
                 "config": self.config,
                 "inputs_embeds": inputs_embeds,
                 "attention_mask": attention_mask,
-                "cache": cache,
+                CACHE_NAME: cache,  # the masks take the release's cache keyword
                 "position_ids": position_ids,
             }
             if "full_attention" in kinds:
@@ -643,7 +674,7 @@ class TfmForCausalLM(TfmPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache_alias
     @can_return_tuple
     def forward(
         self,
@@ -673,7 +704,7 @@ class TfmForCausalLM(TfmPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            cache=outputs.cache,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
@@ -710,7 +741,7 @@ class TfmForSequenceClassification(TfmPreTrainedModel):
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=config.classifier_bias)
         self.post_init()
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_cache_alias
     @can_return_tuple
     def forward(
         self,

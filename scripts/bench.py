@@ -47,6 +47,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -132,16 +133,13 @@ def in_tree_model(name: str, size: str, dtype: torch.dtype, attn: str) -> tuple[
         cfg = BertConfig(**dims, **no_dropout, intermediate_size=inter, num_labels=NUM_LABELS, pad_token_id=0)
     elif name == "modernbert":
         cls, inter = ModernBertForSequenceClassification, glu
-        cfg = ModernBertConfig(
-            **dims,
-            **ids,
-            cls_token_id=1,
-            sep_token_id=2,
-            intermediate_size=inter,
-            num_labels=NUM_LABELS,
-            # all layers global (the default alternates with sliding-window layers), as train_flops counts
-            layer_types=["full_attention"] * n_layers,
-        )
+        # All layers global (the default alternates with sliding-window layers), as train_flops counts.
+        kwargs = dict(**dims, **ids, cls_token_id=1, sep_token_id=2, intermediate_size=inter, num_labels=NUM_LABELS)
+        try:
+            cfg = ModernBertConfig(**kwargs, layer_types=["full_attention"] * n_layers)
+        except StrictDataclassError:  # transformers < 5.2x rejects all-global layers at init; set them after it
+            cfg = ModernBertConfig(**kwargs)
+            cfg.layer_types = ["full_attention"] * n_layers
     else:
         raise ValueError(name)
     ffn = [(h, inter), (h, inter), (inter, h)] if inter == glu else [(h, inter), (inter, h)]  # GLU: gate and up

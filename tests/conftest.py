@@ -15,6 +15,7 @@ import torch
 
 import hf_tfm  # noqa: F401  (registers the Auto classes)
 from hf_tfm import TfmConfig
+from hf_tfm.modeling import CACHE_NAME
 
 # Tiny sizes: every test model has about 60k parameters and runs in milliseconds on one CPU thread.
 TINY = {
@@ -43,6 +44,17 @@ def build(model_class, config: TfmConfig, seed: int = 0, attn_implementation: st
     torch.manual_seed(seed)
     config._attn_implementation = attn_implementation
     return model_class(config).eval()
+
+
+def cache_of(output):
+    """The KV cache of a model output: `.cache` on newer transformers releases, `.past_key_values` on older ones."""
+    return getattr(output, CACHE_NAME)
+
+
+def enable_activation_checkpointing(model, options: dict | None = None) -> None:
+    """`activation_checkpointing_enable` on newer transformers releases, `gradient_checkpointing_enable` before."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable(options)
 
 
 def random_ids(batch: int, length: int, vocab_size: int = TINY["vocab_size"], seed: int = 0) -> torch.Tensor:

@@ -4,12 +4,15 @@ The oracle for greedy decoding is `use_cache=False` (every step recomputes the w
 each prompt generated alone. `min_new_tokens` keeps EOS out of the picture so lengths always match.
 """
 
+import contextlib
+
 import pytest
 import torch
-from conftest import build, random_ids, tiny_config
+from conftest import build, cache_of, random_ids, tiny_config
 from transformers import DynamicCache, StaticCache
 
 from hf_tfm import TfmForCausalLM
+from hf_tfm.modeling import CACHE_NAME
 
 NEW = 8
 VARIANTS = {
@@ -77,25 +80,38 @@ def test_static_cache_equals_dynamic(model):
 def test_user_built_static_cache(model):
     ids = random_ids(1, 4, seed=6)
     cache = StaticCache(config=model.config, max_cache_len=32)
-    out = greedy(model, ids, cache=cache)
+    out = greedy(model, ids, **{CACHE_NAME: cache})  # generate() takes the release's keyword
     assert torch.equal(out, greedy(model, ids))
     assert cache.get_seq_length() == 4 + NEW - 1  # the last token is sampled, never fed back
 
 
-def test_past_key_values_alias_still_works(model):
-    """Forward with the pre-5.24 name: same logits as `cache=`, and the cache is really used (one new token)."""
+def legacy_name_warning():
+    """`past_key_values` is deprecated where the release calls the cache `cache`, and the current name before that."""
+    if CACHE_NAME == "cache":
+        return pytest.warns(FutureWarning, match="past_key_values")
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_both_cache_keywords_work_on_every_release(model, name):
+    """Forward with either name: same logits as a full forward, and the cache is really used (one new token)."""
     ids = random_ids(1, 6, seed=7)
     with torch.no_grad():
         full = model(input_ids=ids, use_cache=False).logits
         prefix = model(input_ids=ids[:, :5], use_cache=True)
-        with pytest.warns(FutureWarning, match="past_key_values"):
-            step = model(input_ids=ids[:, 5:], past_key_values=prefix.cache, use_cache=True)
+        with legacy_name_warning() if name == "past_key_values" else contextlib.nullcontext():
+            step = model(input_ids=ids[:, 5:], **{name: cache_of(prefix)}, use_cache=True)
     torch.testing.assert_close(step.logits[:, -1], full[:, -1], atol=1e-5, rtol=0)
-    assert prefix.cache.get_seq_length() == 6
-    # generate() with an explicitly passed legacy-named cache object
-    with pytest.warns(FutureWarning, match="past_key_values"):
-        legacy = greedy(model, ids, past_key_values=DynamicCache(config=model.config))
+    assert cache_of(prefix).get_seq_length() == 6
+    assert cache_of(step) is cache_of(prefix)
+    if name == "cache" and CACHE_NAME != "cache":
+        return  # generate() itself knows only `past_key_values` on these releases (in-tree models alike)
+    # generate() with an explicitly passed cache object: the release's name, or the deprecated alias
+    cache = DynamicCache(config=model.config)
+    with legacy_name_warning() if name == "past_key_values" else contextlib.nullcontext():
+        legacy = greedy(model, ids, **{name: cache})
     assert torch.equal(legacy, greedy(model, ids))
+    assert cache.get_seq_length() == 6 + NEW - 1  # generate decoded into the cache it was given
 
 
 def test_beam_search_cache_equals_no_cache(model):

@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import build, random_ids, tiny_config
+from conftest import build, cache_of, enable_activation_checkpointing, random_ids, tiny_config
 
 from hf_tfm import (
     TfmForCausalLM,
@@ -195,11 +195,11 @@ def test_grid_causality(kwargs):
 def cached_decode(model, ids, mask, prefill: int, cache=None):
     """Prefill `prefill` tokens, then feed one token at a time through the cache; the logits of every position."""
     out = model(input_ids=ids[:, :prefill], attention_mask=mask[:, :prefill], use_cache=True, cache=cache)
-    logits, cache = [out.logits], out.cache
+    logits, cache = [out.logits], cache_of(out)
     for t in range(prefill, ids.shape[1]):
         out = model(input_ids=ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache, use_cache=True)
         logits.append(out.logits)
-        cache = out.cache
+        cache = cache_of(out)
     return torch.cat(logits, dim=1), cache
 
 
@@ -276,8 +276,8 @@ def test_activation_checkpointing_matches_plain_backward(is_causal):
     model_class = TfmForCausalLM if is_causal else TfmForMaskedLM
     plain = build(model_class, config).train()
     checkpointed = build(model_class, tiny_config(is_causal=is_causal)).train()
-    checkpointed.activation_checkpointing_enable()
-    assert checkpointed.is_activation_checkpointing
+    enable_activation_checkpointing(checkpointed)
+    assert all(layer.gradient_checkpointing for layer in checkpointed.model.layers)
     ids = random_ids(2, 8)
     for model in (plain, checkpointed):
         model(input_ids=ids, labels=ids).loss.backward()
@@ -395,7 +395,7 @@ def test_backbone_outputs(is_causal):
     model = build(TfmModel, tiny_config(is_causal=is_causal))
     out = model(input_ids=random_ids(2, 5))
     assert out.last_hidden_state.shape == (2, 5, 32)
-    assert (out.cache is not None) == is_causal  # an encoder builds no cache
+    assert (cache_of(out) is not None) == is_causal  # an encoder builds no cache
 
 
 def test_causal_lm_is_not_tied_when_asked():
@@ -437,7 +437,7 @@ def test_learned_positions_too_long():
         model(input_ids=random_ids(1, 9))
     out = model(input_ids=random_ids(1, 8), use_cache=True)  # and through the cache
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        model(input_ids=random_ids(1, 1), cache=out.cache)
+        model(input_ids=random_ids(1, 1), cache=cache_of(out))
 
 
 def test_inputs_embeds_or_ids(lm):

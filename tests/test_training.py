@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_ids, run_without_hf_tfm, tiny_config
+from conftest import enable_activation_checkpointing, random_ids, run_without_hf_tfm, tiny_config
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 from hf_tfm import AUTO_CLASSES, TfmForCausalLM, TfmForMaskedLM, TfmForSequenceClassification
@@ -177,7 +177,7 @@ def test_activation_checkpointing_gives_same_gradients(use_reentrant):
     base = seeded(TfmForCausalLM, hidden_dropout=0.1).train()  # dropout: checkpointing must replay the same masks
     batch = PadCollator()(lm_examples([6, 10, 8]))
     checkpointed = copy.deepcopy(base)
-    checkpointed.activation_checkpointing_enable({"use_reentrant": use_reentrant})
+    enable_activation_checkpointing(checkpointed, {"use_reentrant": use_reentrant})
     assert all(layer.gradient_checkpointing for layer in checkpointed.model.layers)
 
     calls = []
