@@ -81,7 +81,6 @@ except ImportError:  # transformers < 5.2x: the same slicing, inline in each mod
         return hidden_states[:, keep, :]
 
 
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Norms. The class names contain "LayerNorm"/"RMSNorm" on purpose: transformers' default init recognises them by name.
 
