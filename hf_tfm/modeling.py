@@ -22,6 +22,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.dynamic_module_utils import get_relative_import_files
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.integrations.sdpa_attention import repeat_kv  # (B, H_kv, S, D) -> (B, H, S, D) for GQA
 from transformers.masking_utils import (
     create_bidirectional_mask,
@@ -56,6 +57,9 @@ logger = logging.get_logger(__name__)
 # newer releases call it `cache` (the old name a deprecated alias). What depends on the release is decided here, once.
 
 CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+# Continuous batching passes its `PagedAttentionCache` as `cache=`: the model's own cache keyword from 5.2x on, where
+# the model updates it like any cache; before, it reached the attention kernel in its kwargs and the kernel updated it.
+PAGED_CACHE_UPDATED_BY_MODEL = CACHE_NAME == "cache"
 
 
 def accepts_cache_alias(forward: Callable) -> Callable:
@@ -311,7 +315,12 @@ class TfmAttention(nn.Module):
 
         if position_embeddings is not None:
             query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
-        if cache is not None:
+        if isinstance(cache, PagedAttentionCache):  # continuous batching: all sequences packed in one row
+            if PAGED_CACHE_UPDATED_BY_MODEL:
+                key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)  # fills the kernel's kwargs too
+            else:
+                kwargs["cache"] = cache  # the paged kernels of these releases write and read the cache themselves
+        elif cache is not None:
             key, value = cache.update(key, value, self.layer_idx)  # (B, H_kv, S, D) with S = past + T
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
@@ -528,7 +537,14 @@ class TfmModel(TfmPreTrainedModel):
         fresh_cache = use_cache and cache is None
         if fresh_cache:
             cache = DynamicCache(config=config)
-        past_length = cache.get_seq_length() if cache is not None else 0
+        paged = isinstance(cache, PagedAttentionCache)  # continuous batching: positions and masks come prepared
+        if paged and (self.alibi is not None or not config.is_causal):
+            knob = "position_embedding_type='alibi'" if config.is_causal else "is_causal=False"
+            raise ValueError(
+                f"`{knob}` cannot run under continuous batching: its paged attention is causal and takes no position "
+                "bias. Use generate(), or a causal rope/learned/sinusoidal model."
+            )
+        past_length = cache.get_seq_length() if cache is not None and not paged else 0
 
         if input_ids is not None:
             _check_ids(input_ids, self.config.vocab_size, "input_ids", "vocab_size")
