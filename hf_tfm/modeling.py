@@ -72,6 +72,19 @@ def accepts_cache_alias(forward: Callable) -> Callable:
     return forward_with_alias
 
 
+# Trainer takes a model sharded by `from_pretrained(distributed_config=...)` as is from the release that marks such
+# models (`is_distributed_loading_by_transformers`); older ones wrap it in DDP, which fails on sharded parameters.
+TRAINER_TAKES_SHARDED_MODELS = hasattr(PreTrainedModel, "is_distributed_loading_by_transformers")
+
+
+def _fsdp_requested(distributed_config) -> bool:
+    """Whether a `DistributedConfig` shards with FSDP2 (`dp_size` counts HSDP replicas on newer releases)."""
+    if distributed_config is None:
+        return False
+    size = getattr(distributed_config, "dp_size", None) or getattr(distributed_config, "fsdp_size", None) or 1
+    return size > 1
+
+
 try:
     from transformers.modeling_utils import slice_logits_to_keep
 except ImportError:  # transformers < 5.2x: the same slicing, inline in each model (int or 1-D positions)
@@ -426,6 +439,42 @@ class TfmPreTrainedModel(PreTrainedModel):
         if type(self).__module__.startswith("torch.") and self.should_save_on_this_rank(is_main_process):
             self._repair_remote_code(Path(save_directory))
         self.config.auto_map = {**self.config.auto_map, **AUTO_MAP}
+
+    @classmethod
+    def maybe_distribute_model(cls, model: "TfmPreTrainedModel", distributed_config, *args, **kwargs):
+        """transformers' TP / FSDP2 setup, with tied weights shared by one FSDP2 parameter.
+
+        Upstream root cause (transformers 5.16-5.24): `from_pretrained` builds the model untied (`no_tie_weights`),
+        shards it with `fully_shard`, and ties only after loading. The root FSDP unit then owns `lm_head.weight` as a
+        parameter of its own, and its forward hook swaps that stale copy back into `lm_head` at every step, so from
+        the second step on the head trains apart from `embed_tokens`. Tying first and leaving both modules out of the
+        plan puts the one shared parameter in the root unit, which FSDP2 gathers into both modules.
+        """
+        tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+        if tied and _fsdp_requested(distributed_config):
+            for target, source in tied.items():
+                module_name, _, param_name = target.rpartition(".")
+                setattr(model.get_submodule(module_name), param_name, model.get_parameter(source))
+            sharing = {name.rpartition(".")[0] for pair in tied.items() for name in pair}
+            model._fsdp_plan = {k: v for k, v in (model._fsdp_plan or {}).items() if k not in sharing}
+        if _fsdp_requested(distributed_config) and not TRAINER_TAKES_SHARDED_MODELS:
+            logger.warning_once(
+                "This transformers release's Trainer wraps a natively sharded model in DDP and fails; train it with "
+                "your own loop, or use transformers 5.24, whose Trainer takes it as is."
+            )
+        return super().maybe_distribute_model(model, distributed_config, *args, **kwargs)
+
+    def gather_sharded_state_dict_for_save(self, model_to_save, state_dict: dict, *args, **kwargs) -> dict:
+        """transformers' gathered state dict, with tied weights sharing one tensor again.
+
+        Gathering a sharded model gives every key its own full tensor, so transformers' save (which drops tied copies
+        by storage) would write the tied head twice; pointing the copy at its source lets it be dropped as usual.
+        """
+        state_dict = super().gather_sharded_state_dict_for_save(model_to_save, state_dict, *args, **kwargs)
+        for target, source in (getattr(model_to_save, "all_tied_weights_keys", None) or {}).items():
+            if target in state_dict and source in state_dict:
+                state_dict[target] = state_dict[source]
+        return state_dict
 
     def _repair_remote_code(self, folder: Path) -> None:
         """Replace the code files and `auto_map` written for a torch-generated subclass of this model with ours."""
