@@ -27,6 +27,9 @@ class TfmConfig(PreTrainedConfig):
     model_type = "hf_tfm"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the output field's name on newer / older releases
     base_model_tp_plan = {
+        # Named here, not left to the release (newer ones add it, 5.16 does not), so a head tied to it (`lm_head`,
+        # sharded on the vocabulary too) is sharded together with it on every release.
+        "embed_tokens": "embedding_rowwise",
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
         "layers.*.self_attn.v_proj": "colwise",
@@ -93,6 +96,9 @@ class TfmConfig(PreTrainedConfig):
     classifier_activation: str = "tanh"  # activation of that dense (any ACT2FN name); used only with classifier_dense
     classifier_norm: bool = False  # a `norm_type` norm after that activation; needs classifier_dense
     classifier_bias: bool = True  # bias on the `score` layer of both classifiers (Llama/GPT-2 style heads have none)
+    # A pooler on the bare backbone (TfmModel): the `classifier_pooling` token -> dense -> `classifier_activation`,
+    # returned as `pooler_output` (BERT's pooler). Heads have their own and build none.
+    add_pooling_layer: bool = False
     head_dense_bias: bool = (
         True  # bias on the dense of the masked-LM transform and of `classifier_dense` (ModernBERT: no)
     )
@@ -156,6 +162,19 @@ class TfmConfig(PreTrainedConfig):
             )
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("`layer_types` has 'sliding_attention' layers but `sliding_window` is None.")
+        if self.sliding_window is not None and "sliding_attention" not in self.layer_types:
+            raise ValueError(
+                f"`sliding_window`={self.sliding_window} would be ignored: `layer_types` has no 'sliding_attention' "
+                "layer. Drop `sliding_window` or mark the windowed layers in `layer_types`."
+            )
+        if self.position_embedding_type != "rope" and self.rope_parameters:
+            entries = self.rope_parameters.values() if self.rope_per_layer_type else [self.rope_parameters]
+            scaled = sorted({p.get("rope_type", "default") for p in entries if p} - {"default"})
+            if scaled:  # the default, unscaled parameters are every config's default: allowed, and unused
+                raise ValueError(
+                    f"`rope_parameters` asks for RoPE scaling ({', '.join(scaled)}) but `position_embedding_type`="
+                    f"{self.position_embedding_type!r} has no RoPE to scale; use `position_embedding_type='rope'`."
+                )
         if not self.first_layer_attn_norm and self.norm_position != "pre":
             raise ValueError("`first_layer_attn_norm=False` needs `norm_position='pre'` (a post-norm is the output).")
         if self.parallel_residual and self.norm_position == "post":

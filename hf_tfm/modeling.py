@@ -34,6 +34,7 @@ from transformers.masking_utils import (
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
+    BaseModelOutputWithPoolingAndCrossAttentions,
     CausalLMOutputWithPast,
     MaskedLMOutput,
     QuestionAnsweringModelOutput,
@@ -523,7 +524,7 @@ def _check_ids(ids: torch.Tensor, limit: int, name: str, knob: str) -> None:
 class TfmModel(TfmPreTrainedModel):
     """The backbone: embeddings, `num_hidden_layers` blocks and (pre-norm) a final norm. Encoder or decoder."""
 
-    def __init__(self, config: TfmConfig) -> None:
+    def __init__(self, config: TfmConfig, add_pooling_layer: bool = True) -> None:
         super().__init__(config)
         # No padding_idx: it would freeze the pad row's gradient, and GPT-2-style vocabularies use eos as pad (a
         # real token). Padding needs no help: masked keys and -100 labels already give pad tokens no gradient.
@@ -546,6 +547,10 @@ class TfmModel(TfmPreTrainedModel):
         self.embed_dropout = nn.Dropout(config.hidden_dropout)
         self.layers = nn.ModuleList(TfmBlock(config, i) for i in range(config.num_hidden_layers))
         self.norm = make_norm(config) if config.norm_position == "pre" else nn.Identity()
+        # BERT's pooler, kept so an imported one is not lost; heads pass add_pooling_layer=False (as BERT's do).
+        self.pooler = None
+        if config.add_pooling_layer and add_pooling_layer:
+            self.pooler = TfmPredictionHead(config, config.classifier_activation, norm=False)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -624,7 +629,18 @@ class TfmModel(TfmPreTrainedModel):
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_NAME: cache if use_cache else None})
+        cache_out = {CACHE_NAME: cache if use_cache else None}
+        if self.pooler is None:
+            return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_out)
+        mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 else None
+        pad_mask = None
+        if mask is None and input_ids is not None and config.pad_token_id is not None:
+            pad_mask = input_ids != config.pad_token_id
+        return BaseModelOutputWithPoolingAndCrossAttentions(
+            last_hidden_state=hidden_states,
+            pooler_output=self.pooler(pool(hidden_states, mask, config.classifier_pooling, pad_mask)),
+            **cache_out,
+        )
 
     def _rotary(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> dict[str, tuple]:
         """RoPE (cos, sin) per layer type: one shared pair, or one per type when `rope_parameters` is nested."""
@@ -712,7 +728,7 @@ class TfmForCausalLM(TfmPreTrainedModel, GenerationMixin):
         super().__init__(config)
         if not config.is_causal:
             logger.warning("TfmForCausalLM built with `is_causal=False`: every token will see the future.")
-        self.model = TfmModel(config)
+        self.model = TfmModel(config, add_pooling_layer=False)  # the head pools for itself
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
@@ -779,7 +795,7 @@ class TfmForSequenceClassification(TfmPreTrainedModel):
     def __init__(self, config: TfmConfig) -> None:
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.model = TfmModel(config)
+        self.model = TfmModel(config, add_pooling_layer=False)  # the head pools for itself
         dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout
         # Optional dense -> `classifier_activation` (-> norm) on the pooled vector: BERT's pooler, ModernBERT's head.
         self.head = None
@@ -835,7 +851,7 @@ class TfmForTokenClassification(TfmPreTrainedModel):
     def __init__(self, config: TfmConfig) -> None:
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.model = TfmModel(config)
+        self.model = TfmModel(config, add_pooling_layer=False)  # the head pools for itself
         dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout
         self.dropout = nn.Dropout(dropout)
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=config.classifier_bias)
@@ -876,7 +892,7 @@ class TfmForQuestionAnswering(TfmPreTrainedModel):
 
     def __init__(self, config: TfmConfig) -> None:
         super().__init__(config)
-        self.model = TfmModel(config)
+        self.model = TfmModel(config, add_pooling_layer=False)  # the head pools for itself
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.post_init()
 
@@ -935,12 +951,13 @@ class TfmForMaskedLM(TfmPreTrainedModel):
     """Masked language model: backbone -> prediction head -> `lm_head` (tied to `embed_tokens`, with a bias)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}  # sharded on the vocabulary, as the tied `embed_tokens`
 
     def __init__(self, config: TfmConfig) -> None:
         super().__init__(config)
         if config.is_causal:
             logger.warning("TfmForMaskedLM built with `is_causal=True`: masked tokens cannot see their right context.")
-        self.model = TfmModel(config)
+        self.model = TfmModel(config, add_pooling_layer=False)  # the head pools for itself
         self.head = TfmPredictionHead(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
         self.post_init()
