@@ -79,3 +79,30 @@ def test_backbone_pooler_is_built_by_the_backbone_only(tmp_path):
     head, info = modeling.TfmForSequenceClassification.from_pretrained(tmp_path, output_loading_info=True)
     assert head.model.pooler is None
     assert {key.rpartition("pooler.")[2] for key in info["unexpected_keys"]} == {"dense.weight", "dense.bias"}
+
+
+# --- left padding with absolute positions: hf_tfm numbers real tokens, in-tree GPT-2 numbers every slot
+
+
+def test_left_padding_with_absolute_positions_gpt2():
+    """A left-padded batch equals each row alone in hf_tfm; in-tree GPT-2 agrees only when given the positions."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_tfm.convert import from_hf
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=99, n_embd=32, n_layer=2, n_head=4, n_positions=64)).eval()
+    ours = from_hf(gpt2)
+    ids, pad = random_ids(2, 9), 4
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    with torch.no_grad():
+        batch = ours(input_ids=ids, attention_mask=mask).logits
+        alone = ours(input_ids=ids[1:, pad:]).logits
+        in_tree = gpt2(input_ids=ids, attention_mask=mask).logits
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        in_tree_positioned = gpt2(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    torch.testing.assert_close(batch[1, pad:], alone[0], rtol=0, atol=1e-5)  # padding does not shift positions
+    assert (in_tree[1, pad:] - batch[1, pad:]).abs().max() > 1e-2  # GPT-2 numbers the padded slots too
+    torch.testing.assert_close(in_tree_positioned[1, pad:], batch[1, pad:], rtol=0, atol=1e-5)
+    torch.testing.assert_close(in_tree[0], batch[0], rtol=0, atol=1e-5)  # unpadded rows agree either way
