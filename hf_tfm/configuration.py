@@ -4,6 +4,7 @@ Each architectural axis is one `Literal` field, so an invalid variant cannot be 
 sense fail at construction with a `ValueError` that names the knob. This file imports no torch, as HF configs don't.
 """
 
+import difflib
 import functools
 from typing import Literal
 
@@ -13,6 +14,19 @@ from transformers import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# config.json keys written by transformers or the ecosystem that are not fields of a default config (legacy RoPE keys
+# are folded into `rope_parameters`; quantizers add `quantization_config`).
+EXTRA_CONFIG_KEYS = {
+    "auto_map",
+    "architectures",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "quantization_config",
+    "rope_theta",
+    "rope_scaling",
+    "num_labels",
+}
 
 
 @strict
@@ -226,6 +240,34 @@ class TfmConfig(PreTrainedConfig):
                 if params["rope_type"] in ("llama3", "yarn", "longrope"):
                     params.setdefault("original_max_position_embeddings", self.max_position_embeddings)
         return kwargs
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict, dict]:
+        """transformers' config reader; an hf_tfm config.json with a key TfmConfig does not read is refused."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        cls._refuse_unknown_keys(config_dict, f"{pretrained_model_name_or_path}/config.json")
+        return config_dict, kwargs
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """transformers' `from_dict` (what `AutoConfig` calls), refusing keys TfmConfig does not read."""
+        cls._refuse_unknown_keys(config_dict, "config.json")
+        return super().from_dict(config_dict, **kwargs)
+
+    @classmethod
+    def _refuse_unknown_keys(cls, config_dict: dict, where: str) -> None:
+        # transformers keeps unknown keys as plain attributes: a misspelt knob (`sliding_windw`) would load a model
+        # that silently differs from the one the file describes.
+        if config_dict.get("model_type", cls.model_type) != cls.model_type:
+            return  # another model's config (convert.py reads any folder's model_type through this class)
+        known = set(cls().to_dict()) | set(PreTrainedConfig().to_dict()) | EXTRA_CONFIG_KEYS
+        unknown = sorted(key for key in set(config_dict) - known if not key.startswith("_"))  # "_": bookkeeping
+        if unknown:
+            hints = [
+                f"`{key}`" + "".join(f" (did you mean `{m}`?)" for m in difflib.get_close_matches(key, known, 1))
+                for key in unknown
+            ]
+            raise ValueError(f"{where} has unknown key(s) {', '.join(hints)}: hf_tfm would ignore them. Fix them.")
 
     @property
     def rope_per_layer_type(self) -> bool:

@@ -442,6 +442,35 @@ class TfmPreTrainedModel(PreTrainedModel):
         self.config.auto_map = {**self.config.auto_map, **AUTO_MAP}
 
     @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> "TfmPreTrainedModel":
+        """`PreTrainedModel.from_pretrained`; a damaged local checkpoint fails naming the file and the problem.
+
+        transformers reports a truncated safetensors file only as "Error while deserializing header", and a
+        config.json whose sizes do not match the weights as a size-mismatch report; both say which file is wrong here.
+        """
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except Exception as err:
+            folder = Path(str(pretrained_model_name_or_path))
+            if not folder.is_dir():
+                raise
+            damaged = [
+                f"{file.name} ({problem})"
+                for file in sorted(folder.glob("*.safetensors"))
+                if (problem := _safetensors_problem(file))
+            ]
+            if damaged:
+                raise OSError(
+                    f"{folder}: damaged weights file {'; '.join(damaged)}. Save or download it again."
+                ) from err
+            if "ignore_mismatched_sizes" in str(err):
+                raise ValueError(
+                    f"{folder / 'config.json'} describes different sizes than the weights in {folder} (see the "
+                    "mismatch report above): the config was edited or belongs to another checkpoint."
+                ) from err
+            raise
+
+    @classmethod
     def maybe_distribute_model(cls, model: "TfmPreTrainedModel", distributed_config, *args, **kwargs):
         """transformers' TP / FSDP2 setup, with tied weights shared by one FSDP2 parameter.
 
@@ -510,6 +539,27 @@ class TfmPreTrainedModel(PreTrainedModel):
                 inv_freq, _ = module.rope_init_fn(layer_type)(module.config, layer_type=layer_type)
                 init.copy_(getattr(module, f"{layer_type}_inv_freq"), inv_freq)
                 init.copy_(getattr(module, f"{layer_type}_original_inv_freq"), inv_freq)
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    """Why a safetensors file cannot be whole (None if its header and size agree): an 8-byte header length, a JSON
+    header, then exactly the bytes its offsets cover. A save or download cut short leaves fewer."""
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            return f"{size} bytes, no header: truncated"
+        header_length = int.from_bytes(prefix, "little")
+        if 8 + header_length > size:
+            return f"{size} bytes, shorter than its {header_length}-byte header: truncated"
+        try:
+            header = json.loads(f.read(header_length))
+        except ValueError:
+            return "unreadable header: not a safetensors file"
+    end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    if 8 + header_length + end != size:
+        return f"{size} bytes where its header describes {8 + header_length + end}: truncated"
+    return None
 
 
 def _check_ids(ids: torch.Tensor, limit: int, name: str, knob: str) -> None:
