@@ -261,7 +261,8 @@ class TfmConfig(PreTrainedConfig):
         if config_dict.get("model_type", cls.model_type) != cls.model_type:
             return  # another model's config (convert.py reads any folder's model_type through this class)
         known = set(cls().to_dict()) | set(PreTrainedConfig().to_dict()) | EXTRA_CONFIG_KEYS
-        unknown = sorted(key for key in set(config_dict) - known if not key.startswith("_"))  # "_": bookkeeping
+        # "_": transformers' bookkeeping; "*_token_id": special-token ids (an import carries ModernBERT's cls/sep ids)
+        unknown = sorted(k for k in set(config_dict) - known if not k.startswith("_") and not k.endswith("_token_id"))
         if unknown:
             hints = [
                 f"`{key}`" + "".join(f" (did you mean `{m}`?)" for m in difflib.get_close_matches(key, known, 1))

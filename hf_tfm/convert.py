@@ -692,7 +692,9 @@ def _modernbert_from_hf(c, head: str) -> dict:
         attention_dropout=0.0,
         hidden_dropout=0.0,
         is_causal=False,
-        sliding_window=c.sliding_window,  # local_attention // 2: the mask keeps |i - j| <= it, as ours for encoders
+        # local_attention // 2: the mask keeps |i - j| <= it, as ours for encoders. With no sliding layer it is unused
+        # (hf_tfm refuses a window no layer reads), so it is not kept.
+        sliding_window=c.sliding_window if "sliding_attention" in c.layer_types else None,
         layer_types=list(c.layer_types),
         classifier_pooling={"cls": "first", "mean": "mean"}[c.classifier_pooling],
         classifier_dense=True,
