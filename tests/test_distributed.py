@@ -16,7 +16,7 @@ from conftest import run_without_hf_tfm
 from safetensors import safe_open
 from test_training import EXPECTED_AUTO_MAP, readme_training_blocks
 
-from hf_tfm import TfmConfig, TfmForCausalLM
+from hf_tfm import TfmConfig, TfmForCausalLM, TfmForMaskedLM
 from hf_tfm.modeling import TRAINER_TAKES_SHARDED_MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,3 +118,30 @@ def test_readme_accelerate_ddp_launch(tmp_path):
     assert run["world_size"] == 2 and run["parallel_mode"] == "ParallelMode.DISTRIBUTED"
     assert run["model_wrapped"] == "DistributedDataParallel" and len(run["losses"]) == 8
     assert_loadable_folder(tmp_path / "ddp")
+
+
+@pytest.mark.parametrize("head", ["causal_lm", "masked_lm"])
+def test_tensor_parallel_shards_tied_head_with_its_embedding(tmp_path, head):
+    """DistributedConfig(tp_size=2) on a tied head: one parameter, sharded on the vocabulary, logits == one process.
+
+    Before the masked LM had a plan entry for `lm_head`, 5.24 sharded `embed_tokens` alone and the tied head failed
+    ("aten.addmm.default got mixed torch.Tensor and DTensor").
+    """
+    cls = TfmForCausalLM if head == "causal_lm" else TfmForMaskedLM
+    torch.manual_seed(0)
+    config = TfmConfig(
+        vocab_size=98,  # even: each rank holds half the vocabulary
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=64,
+        is_causal=head == "causal_lm",
+        initializer_range=0.2,
+    )
+    cls(config).save_pretrained(tmp_path / "model")
+    launch(torchrun("tp_logits.py", str(tmp_path / "model"), str(tmp_path / "result.json")), tmp_path)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["shape"] == [1, 8, 98] and result["tied"]
+    assert result["placements"] == ["(Shard(dim=0),)", "(Shard(dim=0),)"]
+    assert result["max_logit_diff"] < 1e-5
