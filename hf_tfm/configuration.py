@@ -4,6 +4,7 @@ Each architectural axis is one `Literal` field, so an invalid variant cannot be 
 sense fail at construction with a `ValueError` that names the knob. This file imports no torch, as HF configs don't.
 """
 
+import difflib
 import functools
 from typing import Literal
 
@@ -13,6 +14,19 @@ from transformers import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# config.json keys written by transformers or the ecosystem that are not fields of a default config (legacy RoPE keys
+# are folded into `rope_parameters`; quantizers add `quantization_config`).
+EXTRA_CONFIG_KEYS = {
+    "auto_map",
+    "architectures",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "quantization_config",
+    "rope_theta",
+    "rope_scaling",
+    "num_labels",
+}
 
 
 @strict
@@ -27,6 +41,9 @@ class TfmConfig(PreTrainedConfig):
     model_type = "hf_tfm"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the output field's name on newer / older releases
     base_model_tp_plan = {
+        # Named here, not left to the release (newer ones add it, 5.16 does not), so a head tied to it (`lm_head`,
+        # sharded on the vocabulary too) is sharded together with it on every release.
+        "embed_tokens": "embedding_rowwise",
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
         "layers.*.self_attn.v_proj": "colwise",
@@ -93,6 +110,9 @@ class TfmConfig(PreTrainedConfig):
     classifier_activation: str = "tanh"  # activation of that dense (any ACT2FN name); used only with classifier_dense
     classifier_norm: bool = False  # a `norm_type` norm after that activation; needs classifier_dense
     classifier_bias: bool = True  # bias on the `score` layer of both classifiers (Llama/GPT-2 style heads have none)
+    # A pooler on the bare backbone (TfmModel): the `classifier_pooling` token -> dense -> `classifier_activation`,
+    # returned as `pooler_output` (BERT's pooler). Heads have their own and build none.
+    add_pooling_layer: bool = False
     head_dense_bias: bool = (
         True  # bias on the dense of the masked-LM transform and of `classifier_dense` (ModernBERT: no)
     )
@@ -156,6 +176,19 @@ class TfmConfig(PreTrainedConfig):
             )
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("`layer_types` has 'sliding_attention' layers but `sliding_window` is None.")
+        if self.sliding_window is not None and "sliding_attention" not in self.layer_types:
+            raise ValueError(
+                f"`sliding_window`={self.sliding_window} would be ignored: `layer_types` has no 'sliding_attention' "
+                "layer. Drop `sliding_window` or mark the windowed layers in `layer_types`."
+            )
+        if self.position_embedding_type != "rope" and self.rope_parameters:
+            entries = self.rope_parameters.values() if self.rope_per_layer_type else [self.rope_parameters]
+            scaled = sorted({p.get("rope_type", "default") for p in entries if p} - {"default"})
+            if scaled:  # the default, unscaled parameters are every config's default: allowed, and unused
+                raise ValueError(
+                    f"`rope_parameters` asks for RoPE scaling ({', '.join(scaled)}) but `position_embedding_type`="
+                    f"{self.position_embedding_type!r} has no RoPE to scale; use `position_embedding_type='rope'`."
+                )
         if not self.first_layer_attn_norm and self.norm_position != "pre":
             raise ValueError("`first_layer_attn_norm=False` needs `norm_position='pre'` (a post-norm is the output).")
         if self.parallel_residual and self.norm_position == "post":
@@ -207,6 +240,35 @@ class TfmConfig(PreTrainedConfig):
                 if params["rope_type"] in ("llama3", "yarn", "longrope"):
                     params.setdefault("original_max_position_embeddings", self.max_position_embeddings)
         return kwargs
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict, dict]:
+        """transformers' config reader; an hf_tfm config.json with a key TfmConfig does not read is refused."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        cls._refuse_unknown_keys(config_dict, f"{pretrained_model_name_or_path}/config.json")
+        return config_dict, kwargs
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """transformers' `from_dict` (what `AutoConfig` calls), refusing keys TfmConfig does not read."""
+        cls._refuse_unknown_keys(config_dict, "config.json")
+        return super().from_dict(config_dict, **kwargs)
+
+    @classmethod
+    def _refuse_unknown_keys(cls, config_dict: dict, where: str) -> None:
+        # transformers keeps unknown keys as plain attributes: a misspelt knob (`sliding_windw`) would load a model
+        # that silently differs from the one the file describes.
+        if config_dict.get("model_type", cls.model_type) != cls.model_type:
+            return  # another model's config (convert.py reads any folder's model_type through this class)
+        known = set(cls().to_dict()) | set(PreTrainedConfig().to_dict()) | EXTRA_CONFIG_KEYS
+        # "_": transformers' bookkeeping; "*_token_id": special-token ids (an import carries ModernBERT's cls/sep ids)
+        unknown = sorted(k for k in set(config_dict) - known if not k.startswith("_") and not k.endswith("_token_id"))
+        if unknown:
+            hints = [
+                f"`{key}`" + "".join(f" (did you mean `{m}`?)" for m in difflib.get_close_matches(key, known, 1))
+                for key in unknown
+            ]
+            raise ValueError(f"{where} has unknown key(s) {', '.join(hints)}: hf_tfm would ignore them. Fix them.")
 
     @property
     def rope_per_layer_type(self) -> bool:

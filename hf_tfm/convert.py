@@ -149,7 +149,6 @@ class Family:
     config_from_hf: Callable  # (hf_config, head) -> TfmConfig kwargs
     blockers: Callable  # (TfmConfig, head) -> list of "knob=value (needs ...)"
     config_to_hf: Callable  # (TfmConfig, head) -> in-tree config kwargs
-    ignore_from_hf: tuple[str, ...] = ()  # in-tree keys with no hf_tfm counterpart (dropped with a warning)
     hf_aliases: dict[str, str] = field(default_factory=dict)  # in-tree key -> the key it must equal (tied copies)
     split_state: Callable | None = None  # in-tree state dict -> the same with fused projections split (before rules)
     fuse_state: Callable | None = None  # the reverse, after the rules (GPT-2's c_attn, ModernBERT's Wqkv and Wi)
@@ -171,8 +170,10 @@ def _need(config: TfmConfig, out: list[str], family: str, knob: str, expected, w
         out.append(f"`{knob}`={value!r} ({family} needs {needs})")
 
 
-def _common_blockers(config: TfmConfig, family: str, out: list[str]) -> None:
+def _common_blockers(config: TfmConfig, family: str, out: list[str], head: str) -> None:
     _need(config, out, family, "qk_norm", False)
+    if head == "base" and family != "bert":  # heads build no backbone pooler
+        _need(config, out, family, "add_pooling_layer", False, "False (no pooler in its base model)")
     _need(config, out, family, "parallel_residual", False)
     _need(config, out, family, "first_layer_attn_norm", family != "modernbert")
     if family != "modernbert":
@@ -288,7 +289,7 @@ def _llama_like_blockers(config: TfmConfig, head: str, name: str) -> list[str]:
     _need(config, out, name, "ffn_type", "glu")
     _need(config, out, name, "embedding_norm", False)
     _need(config, out, name, "type_vocab_size", 0)
-    _common_blockers(config, name, out)
+    _common_blockers(config, name, out, head)
     sliding = set(config.layer_types)
     if name == "llama":
         _need(config, out, name, "attention_out_bias", config.attention_bias, "the same value as `attention_bias`")
@@ -457,7 +458,7 @@ def _gpt2_blockers(config: TfmConfig, head: str) -> list[str]:
     _need(config, out, name, "layer_types", lambda v: set(v) == {"full_attention"}, "only 'full_attention'")
     _need(config, out, name, "embedding_norm", False)
     _need(config, out, name, "type_vocab_size", 0)
-    _common_blockers(config, name, out)
+    _common_blockers(config, name, out, head)
     if head == "masked_lm":
         out.append("head `masked_lm` (gpt2 has no masked-LM class)")
     _classifier_blockers(config, head, name, out, pooling="last", bias=False)
@@ -502,6 +503,7 @@ BERT_BASE_RULES = [
     Rule("layers.{i}.mlp_norm.{p}", "encoder.layer.{i}.output.LayerNorm.{p}"),
 ]
 BERT_HEAD_RULES = {
+    "base": [Rule("pooler.dense.{p}", "pooler.dense.{p}")],  # TfmModel's `add_pooling_layer`
     "sequence_classification": [Rule("head.dense.{p}", "bert.pooler.dense.{p}"), Rule("score.{p}", "classifier.{p}")],
     "token_classification": [Rule("score.{p}", "classifier.{p}")],
     "question_answering": [Rule("qa_outputs.{p}", "qa_outputs.{p}")],
@@ -565,7 +567,11 @@ def _bert_blockers(config: TfmConfig, head: str) -> list[str]:
     _need(config, out, name, "num_key_value_heads", config.num_attention_heads, "`num_attention_heads` (no GQA)")
     _need(config, out, name, "head_dim", config.hidden_size // config.num_attention_heads, "hidden/heads")
     _need(config, out, name, "layer_types", lambda v: set(v) == {"full_attention"}, "only 'full_attention'")
-    _common_blockers(config, name, out)
+    _common_blockers(config, name, out, head)
+    if head == "base" and config.add_pooling_layer:  # BertPooler: first token, dense with bias, tanh
+        _need(config, out, name, "classifier_pooling", "first")
+        _need(config, out, name, "classifier_activation", "tanh")
+        _need(config, out, name, "head_dense_bias", True)
     if head == "causal_lm":
         out.append("head `causal_lm` (hf_tfm exports BERT encoders only)")
     if head == "question_answering":  # BertForQuestionAnswering sizes qa_outputs by num_labels; ours is always 2
@@ -607,6 +613,7 @@ MODERNBERT_BASE_RULES = [
 ]
 _MODERNBERT_HEAD = [Rule("head.dense.{p}", "head.dense.{p}"), Rule("head.norm.{p}", "head.norm.{p}")]
 MODERNBERT_HEAD_RULES = {
+    "base": [Rule("pooler.dense.{p}", "pooler.dense.{p}")],  # TfmModel's `add_pooling_layer`
     "sequence_classification": [*_MODERNBERT_HEAD, Rule("score.{p}", "classifier.{p}")],
     "masked_lm": [*_MODERNBERT_HEAD, Rule("lm_head.{p}", "decoder.{p}")],
 }
@@ -685,7 +692,9 @@ def _modernbert_from_hf(c, head: str) -> dict:
         attention_dropout=0.0,
         hidden_dropout=0.0,
         is_causal=False,
-        sliding_window=c.sliding_window,  # local_attention // 2: the mask keeps |i - j| <= it, as ours for encoders
+        # local_attention // 2: the mask keeps |i - j| <= it, as ours for encoders. With no sliding layer it is unused
+        # (hf_tfm refuses a window no layer reads), so it is not kept.
+        sliding_window=c.sliding_window if "sliding_attention" in c.layer_types else None,
         layer_types=list(c.layer_types),
         classifier_pooling={"cls": "first", "mean": "mean"}[c.classifier_pooling],
         classifier_dense=True,
@@ -716,7 +725,7 @@ def _modernbert_blockers(config: TfmConfig, head: str) -> list[str]:
     _need(config, out, name, "head_dim", config.hidden_size // config.num_attention_heads, "hidden/heads")
     _need(config, out, name, "hidden_dropout", 0.0, "0.0 (its dropouts sit elsewhere)")
     _need(config, out, name, "attention_dropout", 0.0, "0.0 (its dropouts sit elsewhere)")
-    _common_blockers(config, name, out)
+    _common_blockers(config, name, out, head)
     if head in ("causal_lm", "token_classification"):
         out.append(f"head `{head}` (hf_tfm exports ModernBERT's base, masked-LM and sequence-classification heads)")
     if head == "question_answering":
@@ -829,7 +838,6 @@ FAMILIES: dict[str, Family] = {
         config_from_hf=_bert_from_hf,
         blockers=_bert_blockers,
         config_to_hf=_bert_to_hf,
-        ignore_from_hf=(r"(bert\.)?pooler\.dense\.(weight|bias)",),  # BertModel's pooler: part of our classifier head
         hf_aliases={"cls.predictions.bias": "cls.predictions.decoder.bias"},
     ),
     "modernbert": Family(
@@ -871,7 +879,9 @@ def _load_in_tree(path: str | Path) -> PreTrainedModel:
 def _build(cls, config, source: torch.nn.Module, state: dict) -> PreTrainedModel:
     """Instantiate `cls(config)` with the source's attention backend, load `state` strictly, match dtype."""
     config._attn_implementation = source.config._attn_implementation
-    model = cls(config) if cls is not BertModel else cls(config, add_pooling_layer=False)
+    # A backbone carries a pooler when the weights have one (BertModel's `add_pooling_layer`, our config knob).
+    pooler = any(key.startswith("pooler.") for key in state)
+    model = cls(config, add_pooling_layer=pooler) if cls is BertModel else cls(config)
     dtype = next(source.parameters()).dtype
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in _tied_targets(model)]
@@ -911,8 +921,6 @@ def from_hf(model_or_path: PreTrainedModel | str | Path) -> TfmPreTrainedModel:
     head = _head_of(source)
     kwargs = family.config_from_hf(source.config, head)
     kwargs.update({name: getattr(source.config, name) for name in CARRIED_FIELDS})
-    config = TfmConfig(**kwargs)
-
     state = source.state_dict()
     if family.split_state is not None:
         state = family.split_state(state)
@@ -922,13 +930,12 @@ def from_hf(model_or_path: PreTrainedModel | str | Path) -> TfmPreTrainedModel:
         if key in family.hf_aliases:
             continue
         renamed = _rename(key, rules, to_hf=False)
-        if renamed is None and any(re.fullmatch(pattern, key) for pattern in family.ignore_from_hf):
-            logger.warning(f"from_hf: dropping `{key}` (in hf_tfm, {family.name}'s pooler is part of the classifier).")
-            continue
         if renamed is None:
             raise ValueError(f"from_hf: no hf_tfm counterpart for {family.name} weight `{key}`.")
         name, transpose = renamed
         converted[name] = value.t() if transpose else value
+    kwargs["add_pooling_layer"] = head == "base" and any(key.startswith("pooler.") for key in converted)
+    config = TfmConfig(**kwargs)
     return _build(TFM_CLASSES[head], config, source, {k: v.detach().clone() for k, v in converted.items()})
 
 

@@ -35,6 +35,7 @@ from transformers.masking_utils import (
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
+    BaseModelOutputWithPoolingAndCrossAttentions,
     CausalLMOutputWithPast,
     MaskedLMOutput,
     QuestionAnsweringModelOutput,
@@ -74,6 +75,19 @@ def accepts_cache_alias(forward: Callable) -> Callable:
         return forward(*args, **kwargs)
 
     return forward_with_alias
+
+
+# Trainer takes a model sharded by `from_pretrained(distributed_config=...)` as is from the release that marks such
+# models (`is_distributed_loading_by_transformers`); older ones wrap it in DDP, which fails on sharded parameters.
+TRAINER_TAKES_SHARDED_MODELS = hasattr(PreTrainedModel, "is_distributed_loading_by_transformers")
+
+
+def _fsdp_requested(distributed_config) -> bool:
+    """Whether a `DistributedConfig` shards with FSDP2 (`dp_size` counts HSDP replicas on newer releases)."""
+    if distributed_config is None:
+        return False
+    size = getattr(distributed_config, "dp_size", None) or getattr(distributed_config, "fsdp_size", None) or 1
+    return size > 1
 
 
 try:
@@ -436,6 +450,71 @@ class TfmPreTrainedModel(PreTrainedModel):
             self._repair_remote_code(Path(save_directory))
         self.config.auto_map = {**self.config.auto_map, **AUTO_MAP}
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> "TfmPreTrainedModel":
+        """`PreTrainedModel.from_pretrained`; a damaged local checkpoint fails naming the file and the problem.
+
+        transformers reports a truncated safetensors file only as "Error while deserializing header", and a
+        config.json whose sizes do not match the weights as a size-mismatch report; both say which file is wrong here.
+        """
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except Exception as err:
+            folder = Path(str(pretrained_model_name_or_path))
+            if not folder.is_dir():
+                raise
+            damaged = [
+                f"{file.name} ({problem})"
+                for file in sorted(folder.glob("*.safetensors"))
+                if (problem := _safetensors_problem(file))
+            ]
+            if damaged:
+                raise OSError(
+                    f"{folder}: damaged weights file {'; '.join(damaged)}. Save or download it again."
+                ) from err
+            if "ignore_mismatched_sizes" in str(err):
+                raise ValueError(
+                    f"{folder / 'config.json'} describes different sizes than the weights in {folder} (see the "
+                    "mismatch report above): the config was edited or belongs to another checkpoint."
+                ) from err
+            raise
+
+    @classmethod
+    def maybe_distribute_model(cls, model: "TfmPreTrainedModel", distributed_config, *args, **kwargs):
+        """transformers' TP / FSDP2 setup, with tied weights shared by one FSDP2 parameter.
+
+        Upstream root cause (transformers 5.16-5.24): `from_pretrained` builds the model untied (`no_tie_weights`),
+        shards it with `fully_shard`, and ties only after loading. The root FSDP unit then owns `lm_head.weight` as a
+        parameter of its own, and its forward hook swaps that stale copy back into `lm_head` at every step, so from
+        the second step on the head trains apart from `embed_tokens`. Tying first and leaving both modules out of the
+        plan puts the one shared parameter in the root unit, which FSDP2 gathers into both modules.
+        """
+        tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+        if tied and _fsdp_requested(distributed_config):
+            for target, source in tied.items():
+                module_name, _, param_name = target.rpartition(".")
+                setattr(model.get_submodule(module_name), param_name, model.get_parameter(source))
+            sharing = {name.rpartition(".")[0] for pair in tied.items() for name in pair}
+            model._fsdp_plan = {k: v for k, v in (model._fsdp_plan or {}).items() if k not in sharing}
+        if _fsdp_requested(distributed_config) and not TRAINER_TAKES_SHARDED_MODELS:
+            logger.warning_once(
+                "This transformers release's Trainer wraps a natively sharded model in DDP and fails; train it with "
+                "your own loop, or use transformers 5.24, whose Trainer takes it as is."
+            )
+        return super().maybe_distribute_model(model, distributed_config, *args, **kwargs)
+
+    def gather_sharded_state_dict_for_save(self, model_to_save, state_dict: dict, *args, **kwargs) -> dict:
+        """transformers' gathered state dict, with tied weights sharing one tensor again.
+
+        Gathering a sharded model gives every key its own full tensor, so transformers' save (which drops tied copies
+        by storage) would write the tied head twice; pointing the copy at its source lets it be dropped as usual.
+        """
+        state_dict = super().gather_sharded_state_dict_for_save(model_to_save, state_dict, *args, **kwargs)
+        for target, source in (getattr(model_to_save, "all_tied_weights_keys", None) or {}).items():
+            if target in state_dict and source in state_dict:
+                state_dict[target] = state_dict[source]
+        return state_dict
+
     def _repair_remote_code(self, folder: Path) -> None:
         """Replace the code files and `auto_map` written for a torch-generated subclass of this model with ours."""
         own_files = [__file__, *get_relative_import_files(__file__)]
@@ -471,6 +550,27 @@ class TfmPreTrainedModel(PreTrainedModel):
                 init.copy_(getattr(module, f"{layer_type}_original_inv_freq"), inv_freq)
 
 
+def _safetensors_problem(file: Path) -> str | None:
+    """Why a safetensors file cannot be whole (None if its header and size agree): an 8-byte header length, a JSON
+    header, then exactly the bytes its offsets cover. A save or download cut short leaves fewer."""
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            return f"{size} bytes, no header: truncated"
+        header_length = int.from_bytes(prefix, "little")
+        if 8 + header_length > size:
+            return f"{size} bytes, shorter than its {header_length}-byte header: truncated"
+        try:
+            header = json.loads(f.read(header_length))
+        except ValueError:
+            return "unreadable header: not a safetensors file"
+    end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    if 8 + header_length + end != size:
+        return f"{size} bytes where its header describes {8 + header_length + end}: truncated"
+    return None
+
+
 def _check_ids(ids: torch.Tensor, limit: int, name: str, knob: str) -> None:
     """Out-of-range ids would index past an embedding table: say which, instead of an opaque IndexError."""
     if torch.compiler.is_compiling() or ids.numel() == 0:
@@ -483,7 +583,7 @@ def _check_ids(ids: torch.Tensor, limit: int, name: str, knob: str) -> None:
 class TfmModel(TfmPreTrainedModel):
     """The backbone: embeddings, `num_hidden_layers` blocks and (pre-norm) a final norm. Encoder or decoder."""
 
-    def __init__(self, config: TfmConfig) -> None:
+    def __init__(self, config: TfmConfig, add_pooling_layer: bool = True) -> None:
         super().__init__(config)
         # No padding_idx: it would freeze the pad row's gradient, and GPT-2-style vocabularies use eos as pad (a
         # real token). Padding needs no help: masked keys and -100 labels already give pad tokens no gradient.
@@ -506,6 +606,10 @@ class TfmModel(TfmPreTrainedModel):
         self.embed_dropout = nn.Dropout(config.hidden_dropout)
         self.layers = nn.ModuleList(TfmBlock(config, i) for i in range(config.num_hidden_layers))
         self.norm = make_norm(config) if config.norm_position == "pre" else nn.Identity()
+        # BERT's pooler, kept so an imported one is not lost; heads pass add_pooling_layer=False (as BERT's do).
+        self.pooler = None
+        if config.add_pooling_layer and add_pooling_layer:
+            self.pooler = TfmPredictionHead(config, config.classifier_activation, norm=False)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -591,7 +695,18 @@ class TfmModel(TfmPreTrainedModel):
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_NAME: cache if use_cache else None})
+        cache_out = {CACHE_NAME: cache if use_cache else None}
+        if self.pooler is None:
+            return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_out)
+        mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 else None
+        pad_mask = None
+        if mask is None and input_ids is not None and config.pad_token_id is not None:
+            pad_mask = input_ids != config.pad_token_id
+        return BaseModelOutputWithPoolingAndCrossAttentions(
+            last_hidden_state=hidden_states,
+            pooler_output=self.pooler(pool(hidden_states, mask, config.classifier_pooling, pad_mask)),
+            **cache_out,
+        )
 
     def _rotary(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> dict[str, tuple]:
         """RoPE (cos, sin) per layer type: one shared pair, or one per type when `rope_parameters` is nested."""
@@ -679,7 +794,7 @@ class TfmForCausalLM(TfmPreTrainedModel, GenerationMixin):
         super().__init__(config)
         if not config.is_causal:
             logger.warning("TfmForCausalLM built with `is_causal=False`: every token will see the future.")
-        self.model = TfmModel(config)
+        self.model = TfmModel(config, add_pooling_layer=False)  # the head pools for itself
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
@@ -746,7 +861,7 @@ class TfmForSequenceClassification(TfmPreTrainedModel):
     def __init__(self, config: TfmConfig) -> None:
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.model = TfmModel(config)
+        self.model = TfmModel(config, add_pooling_layer=False)  # the head pools for itself
         dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout
         # Optional dense -> `classifier_activation` (-> norm) on the pooled vector: BERT's pooler, ModernBERT's head.
         self.head = None
@@ -802,7 +917,7 @@ class TfmForTokenClassification(TfmPreTrainedModel):
     def __init__(self, config: TfmConfig) -> None:
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.model = TfmModel(config)
+        self.model = TfmModel(config, add_pooling_layer=False)  # the head pools for itself
         dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout
         self.dropout = nn.Dropout(dropout)
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=config.classifier_bias)
@@ -843,7 +958,7 @@ class TfmForQuestionAnswering(TfmPreTrainedModel):
 
     def __init__(self, config: TfmConfig) -> None:
         super().__init__(config)
-        self.model = TfmModel(config)
+        self.model = TfmModel(config, add_pooling_layer=False)  # the head pools for itself
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.post_init()
 
@@ -902,12 +1017,13 @@ class TfmForMaskedLM(TfmPreTrainedModel):
     """Masked language model: backbone -> prediction head -> `lm_head` (tied to `embed_tokens`, with a bias)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}  # sharded on the vocabulary, as the tied `embed_tokens`
 
     def __init__(self, config: TfmConfig) -> None:
         super().__init__(config)
         if config.is_causal:
             logger.warning("TfmForMaskedLM built with `is_causal=True`: masked tokens cannot see their right context.")
-        self.model = TfmModel(config)
+        self.model = TfmModel(config, add_pooling_layer=False)  # the head pools for itself
         self.head = TfmPredictionHead(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
         self.post_init()

@@ -89,7 +89,7 @@ def test_valid_edge_combinations():
 
 def test_json_round_trip_is_lossless(tmp_path):
     config = tiny_config(
-        position_embedding_type="alibi",
+        position_embedding_type="rope",  # a scaled `rope_parameters` needs RoPE (refused with alibi)
         norm_type="layernorm",
         norm_position="post",
         ffn_type="mlp",

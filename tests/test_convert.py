@@ -156,14 +156,34 @@ def test_round_trip_is_exact(case):
     assert type(back) is type(reference)
     assert back.config._attn_implementation == "eager"
     expected, got = reference.state_dict(), back.state_dict()
-    if case == "bert-base":  # BertModel's pooler is not part of TfmModel (it lives in the classifier head)
-        expected = {k: v for k, v in expected.items() if not k.startswith("pooler.")}
-    assert got.keys() == expected.keys()
+    assert got.keys() == expected.keys()  # nothing dropped: BertModel's pooler comes back too
     for key in expected:
         assert torch.equal(got[key], expected[key]), key
     want = {k: v for k, v in reference.config.to_dict().items() if k not in IGNORED_CONFIG_KEYS}
     have = {k: v for k, v in back.config.to_dict().items() if k not in IGNORED_CONFIG_KEYS}
     assert have == want
+
+
+@pytest.mark.parametrize("add_pooling_layer", [True, False])
+def test_bert_pooler_survives_round_trip(add_pooling_layer):
+    """BertModel -> TfmModel -> BertModel keeps the pooler's weights and `pooler_output`, with BERT as the oracle."""
+    torch.manual_seed(0)
+    reference = transformers.BertModel(transformers.BertConfig(**BERT), add_pooling_layer=add_pooling_layer).eval()
+    inputs, _ = padded_batch(reference)
+    ours = from_hf(reference)
+    assert ours.config.add_pooling_layer is add_pooling_layer
+    back = to_hf(ours)
+    assert (back.pooler is not None) is add_pooling_layer
+    with torch.no_grad():
+        expected = reference(**inputs).pooler_output
+        got, again = ours(**inputs), back(**inputs).pooler_output
+    if not add_pooling_layer:
+        assert expected is None and again is None and not hasattr(got, "pooler_output")
+        return
+    assert (got.pooler_output - expected).abs().max().item() <= ATOL
+    assert torch.equal(again, expected)
+    for key, value in reference.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key
 
 
 def test_imported_config_uses_general_knobs():

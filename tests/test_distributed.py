@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_without_hf_tfm
+from safetensors import safe_open
 from test_training import EXPECTED_AUTO_MAP, readme_training_blocks
 
-from hf_tfm import TfmConfig, TfmForCausalLM
+from hf_tfm import TfmConfig, TfmForCausalLM, TfmForMaskedLM
+from hf_tfm.modeling import TRAINER_TAKES_SHARDED_MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST = ROOT / "tests" / "dist"
@@ -59,8 +61,17 @@ def test_torchrun_ddp_matches_single_process(tmp_path):
     assert_loadable_folder(tmp_path / "final")
 
 
-def test_native_fsdp2_trains_sharded_and_saves_a_loadable_checkpoint(tmp_path):
-    """DistributedConfig(fsdp_size=2): sharded params, Trainer == single process, saved folder loads without hf_tfm."""
+@pytest.mark.skipif(
+    not TRAINER_TAKES_SHARDED_MODELS,
+    reason="this transformers release's Trainer wraps a natively sharded model in DDP; transformers 5.24 takes it",
+)
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_native_fsdp2_trains_sharded_and_saves_a_loadable_checkpoint(tmp_path, tied):
+    """DistributedConfig(fsdp_size=2): sharded params, Trainer == single process, saved folder loads without hf_tfm.
+
+    Tied: transformers shards `lm_head` apart from `embed_tokens` and ties only after sharding, so without hf_tfm's
+    fix step 2 already differs (4.297 vs 4.195); the saved model must still be tied (one stored matrix).
+    """
     torch.manual_seed(0)
     config = TfmConfig(
         vocab_size=99,
@@ -69,7 +80,7 @@ def test_native_fsdp2_trains_sharded_and_saves_a_loadable_checkpoint(tmp_path):
         num_attention_heads=4,
         intermediate_size=48,
         max_position_embeddings=64,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     TfmForCausalLM(config).save_pretrained(tmp_path / "base")
     launch(torchrun("train_fsdp.py", str(tmp_path / "base"), str(tmp_path / "out")), tmp_path)
@@ -81,11 +92,14 @@ def test_native_fsdp2_trains_sharded_and_saves_a_loadable_checkpoint(tmp_path):
 
     final = tmp_path / "out" / "final"
     assert_loadable_folder(final)  # the FSDP2 save bug: auto_map -> "_fsdp_init.FSDP...", no modeling.py
+    with safe_open(final / "model.safetensors", "pt") as weights:
+        assert ("lm_head.weight" in set(weights.keys())) is not tied
     code = f"""
         import json, torch
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained({str(final)!r}, trust_remote_code=True).eval()
         assert type(model).__name__ == "TfmForCausalLM", type(model)
+        assert (model.lm_head.weight is model.model.embed_tokens.weight) is {tied}
         with torch.no_grad():
             print(json.dumps(model(torch.tensor({result["probe"]})).logits.tolist()))
     """
@@ -104,3 +118,30 @@ def test_readme_accelerate_ddp_launch(tmp_path):
     assert run["world_size"] == 2 and run["parallel_mode"] == "ParallelMode.DISTRIBUTED"
     assert run["model_wrapped"] == "DistributedDataParallel" and len(run["losses"]) == 8
     assert_loadable_folder(tmp_path / "ddp")
+
+
+@pytest.mark.parametrize("head", ["causal_lm", "masked_lm"])
+def test_tensor_parallel_shards_tied_head_with_its_embedding(tmp_path, head):
+    """DistributedConfig(tp_size=2) on a tied head: one parameter, sharded on the vocabulary, logits == one process.
+
+    Before the masked LM had a plan entry for `lm_head`, 5.24 sharded `embed_tokens` alone and the tied head failed
+    ("aten.addmm.default got mixed torch.Tensor and DTensor").
+    """
+    cls = TfmForCausalLM if head == "causal_lm" else TfmForMaskedLM
+    torch.manual_seed(0)
+    config = TfmConfig(
+        vocab_size=98,  # even: each rank holds half the vocabulary
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=64,
+        is_causal=head == "causal_lm",
+        initializer_range=0.2,
+    )
+    cls(config).save_pretrained(tmp_path / "model")
+    launch(torchrun("tp_logits.py", str(tmp_path / "model"), str(tmp_path / "result.json")), tmp_path)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["shape"] == [1, 8, 98] and result["tied"]
+    assert result["placements"] == ["(Shard(dim=0),)", "(Shard(dim=0),)"]
+    assert result["max_logit_diff"] < 1e-5

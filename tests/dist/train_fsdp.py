@@ -1,8 +1,8 @@
 """Sharded training with transformers' native FSDP2 and Trainer, then a save:
 `torchrun --nproc_per_node 2 --standalone tests/dist/train_fsdp.py BASE_DIR OUT_DIR`.
 
-BASE_DIR holds a saved tiny TfmForCausalLM with untied embeddings (transformers 5.24's native FSDP2 trains a tied
-embed/lm_head pair on stale weights from the second step on). The script loads it with
+BASE_DIR holds a saved tiny TfmForCausalLM, tied or untied (hf_tfm's `maybe_distribute_model` keeps a tied
+embed/lm_head pair one FSDP2 parameter; transformers alone trains it on stale weights from step 2). The script loads it with
 `DistributedConfig(fsdp_size=2)` (parameters become DTensors, each rank holding half), trains with Trainer, saves to
 OUT_DIR/final, and asserts (rank 0) that the step losses and the gathered weights equal a single-process run on the
 same global batch. Rank 0 writes OUT_DIR/result.json, with the reference model's logits on a fixed input, for a fresh

@@ -1,0 +1,47 @@
+"""Tensor parallelism with a tied head: `torchrun --nproc_per_node 2 --standalone tests/dist/tp_logits.py DIR OUT`.
+
+DIR holds a saved tiny hf_tfm model with `tie_word_embeddings=True` (its architecture picks the Auto class). The script
+loads it with `DistributedConfig(tp_size=2)` and, on rank 0, writes OUT (JSON): the largest logit difference to the
+same folder loaded in one process, whether `lm_head` and `embed_tokens` still share one parameter, and both placements.
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, DistributedConfig
+
+import hf_tfm  # noqa: F401  (registers the Auto classes)
+
+PROBE = [[5, 17, 42, 8, 91, 33, 3, 60]]
+
+
+def main(folder: str, out: str) -> None:
+    architecture = AutoConfig.from_pretrained(folder).architectures[0]
+    auto = AutoModelForMaskedLM if architecture.endswith("MaskedLM") else AutoModelForCausalLM
+    model = auto.from_pretrained(folder, distributed_config=DistributedConfig(tp_size=2)).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor(PROBE)).logits
+    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    if dist.get_rank() == 0:
+        with torch.no_grad():
+            reference = auto.from_pretrained(folder).eval()(torch.tensor(PROBE)).logits
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        result = {
+            "max_logit_diff": (logits - reference).abs().max().item(),
+            "shape": list(logits.shape),
+            "tied": head is embed,
+            "placements": [str(getattr(w, "placements", None)) for w in (embed, head)],
+        }
+        with open(out, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no gloo teardown (see train_fsdp.py)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

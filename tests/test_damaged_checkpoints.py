@@ -1,0 +1,158 @@
+"""Damaged checkpoints and interrupted saves: a clear error naming the file and the problem, never a model that loads
+with random or stale weights unannounced.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build, run_without_hf_tfm, tiny_config
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from hf_tfm import TfmForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(name="saved")
+def saved_fixture(tmp_path) -> Path:
+    model = build(TfmForCausalLM, tiny_config())
+    model.save_pretrained(tmp_path / "ok")
+    return tmp_path / "ok"
+
+
+def _copy(saved: Path, name: str) -> Path:
+    return Path(shutil.copytree(saved, saved.parent / name))
+
+
+@pytest.mark.parametrize("keep", [0, 7, 60, "half", "all but one"])
+def test_truncated_weights_name_the_file(saved, keep):
+    folder = _copy(saved, "truncated")
+    weights = folder / "model.safetensors"
+    size = weights.stat().st_size
+    os.truncate(weights, {"half": size // 2, "all but one": size - 1}.get(keep, keep))
+    with pytest.raises(
+        OSError, match=r"truncated.*damaged weights file model\.safetensors|model\.safetensors.*truncated"
+    ):
+        AutoModelForCausalLM.from_pretrained(folder)
+
+
+def test_config_sizes_that_do_not_match_the_weights_name_config_json(saved):
+    folder = _copy(saved, "resized")
+    config = json.loads((folder / "config.json").read_text())
+    config["intermediate_size"] = 64
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json describes different sizes than the weights"):
+        AutoModelForCausalLM.from_pretrained(folder)
+
+
+def test_unknown_config_key_is_refused_with_a_suggestion(saved, tmp_path):
+    folder = _copy(saved, "typo")
+    config = json.loads((folder / "config.json").read_text())
+    config["sliding_windw"] = 4
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"config\.json has unknown key\(s\) `sliding_windw` \(did you mean `sliding_window`"
+    ):
+        AutoModelForCausalLM.from_pretrained(folder)
+    code = f"""
+        from transformers import AutoModelForCausalLM
+        try:
+            AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
+        except ValueError as err:
+            print("refused:", err)
+    """
+    out = run_without_hf_tfm(code, tmp_path)  # remote code: the folder's own configuration.py refuses it too
+    assert f"refused: {folder}/config.json has unknown key(s) `sliding_windw`" in out
+
+
+def test_missing_code_file_names_it(saved, tmp_path):
+    folder = _copy(saved, "nocode")
+    (folder / "modeling.py").unlink()
+    code = f"""
+        from transformers import AutoModelForCausalLM
+        try:
+            AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
+        except OSError as err:
+            print("refused:", err)
+    """
+    assert f"refused: {folder} does not appear to have a file named modeling.py" in run_without_hf_tfm(code, tmp_path)
+
+
+def test_missing_and_unexpected_weights_are_reported(saved):
+    folder = _copy(saved, "keys")
+    state = load_file(folder / "model.safetensors")
+    state["model.layers.0.extra.weight"] = state.pop("model.layers.0.mlp.up_proj.weight")
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    _, info = TfmForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert set(info["missing_keys"]) == {"model.layers.0.mlp.up_proj.weight"}
+    assert set(info["unexpected_keys"]) == {"model.layers.0.extra.weight"}
+
+
+# --- interrupted saves: SIGKILL while writing, then load what is left
+
+SAVE = """
+import sys, torch
+from hf_tfm import TfmConfig, TfmForCausalLM
+torch.manual_seed(int(sys.argv[2]))
+config = TfmConfig(vocab_size=32000, hidden_size=256, num_hidden_layers=2, num_attention_heads=4)
+model = TfmForCausalLM(config)
+print("ready", flush=True)
+model.save_pretrained(sys.argv[1])
+"""
+
+
+def _kill_while_saving(folder: Path, seed: int, when: str) -> bool:
+    """Start a save of a 9M-parameter model into `folder` and SIGKILL it; True if it was killed before finishing."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", SAVE, str(folder), str(seed)], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    assert child.stdout.readline().strip() == "ready"
+    deadline = time.monotonic() + 60
+    target = folder / ("config.json" if when == "config" else "model.safetensors")
+    while not target.exists() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    child.send_signal(signal.SIGKILL)
+    return child.wait() == -signal.SIGKILL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["config", "weights"])
+def test_killed_save_never_loads_as_a_complete_wrong_model(tmp_path, when):
+    folder = tmp_path / "model"
+    _kill_while_saving(folder, seed=1, when=when)
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(folder)
+    except (OSError, ValueError) as err:  # a clear error: no weights yet, or a truncated file named
+        assert "model.safetensors" in str(err) or "config.json" in str(err) or "does not appear" in str(err), err
+        return
+    torch.manual_seed(1)  # it finished before the kill: then it must be exactly the model it saved
+    reference = TfmForCausalLM(loaded.config)
+    for (name, param), (_, other) in zip(reference.named_parameters(), loaded.named_parameters(), strict=True):
+        assert torch.equal(param, other), name
+
+
+@pytest.mark.slow
+def test_killed_cli_leaves_no_model_folder(tmp_path):
+    """`hf-tfm pretrain` killed mid-run (here: once its staging folder exists) leaves nothing at the output path."""
+    (tmp_path / "train.txt").write_text("\n".join(f"def f_{i}(x): return x + {i}" for i in range(200)))
+    argv = [str(Path(sys.executable).with_name("hf-tfm")), "pretrain", "--train-file", str(tmp_path / "train.txt")]
+    argv += ["--output-dir", str(tmp_path / "lm"), "--max-steps", "200", "--batch-size", "4", "--seq-len", "32"]
+    child = subprocess.Popen([*argv, "--vocab-size", "300"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".lm.partial-*")) and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(1.0)  # training and writing into the staging folder
+    child.send_signal(signal.SIGKILL)
+    assert child.wait() == -signal.SIGKILL
+    assert not (tmp_path / "lm").exists()
+    with pytest.raises(OSError):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "lm")
