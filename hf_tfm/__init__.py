@@ -15,6 +15,10 @@ from transformers import (
 )
 
 from .configuration import TfmConfig
+
+# Imported eagerly, unlike `convert` below: it needs nothing beyond `modeling`, and the function shares its module's
+# name, so a lazy `__getattr__` would lose to the submodule (`import hf_tfm.from_torch` sets `hf_tfm.from_torch`).
+from .from_torch import from_torch
 from .modeling import (
     TfmForCausalLM,
     TfmForMaskedLM,
@@ -71,5 +75,6 @@ __all__ = [
     "convert_path",
     "export_blockers",
     "from_hf",
+    "from_torch",
     "to_hf",
 ]

@@ -70,6 +70,9 @@ class TfmConfig(PreTrainedConfig):
 
     # --- positions: added to the embeddings (sinusoidal, learned) or applied in attention (rope, alibi)
     position_embedding_type: Literal["sinusoidal", "learned", "rope", "alibi"] = "rope"
+    # Sinusoidal only: the paper's sin/cos interleaved on even/odd dimensions (PyTorch tutorials), or a sine half then
+    # a cosine half (fairseq, Marian). Configs saved before this knob existed load as "halves": see `from_dict`.
+    sinusoidal_layout: Literal["interleaved", "halves"] = "interleaved"
     rope_parameters: RopeParameters | dict | None = None  # the v5 field: rope_theta, rope_type and its scaling keys
     # ... or nested, one such dict per layer type ({"full_attention": {...}, "sliding_attention": {...}}): each layer
     # type gets its own RoPE (ModernBERT: theta 160k on full layers, 10k on sliding ones). See `rope_per_layer_type`.
@@ -79,7 +82,10 @@ class TfmConfig(PreTrainedConfig):
     norm_type: Literal["layernorm", "rmsnorm"] = "rmsnorm"  # RMSNorm: arXiv:1910.07467
     norm_eps: float = 1e-6
     norm_bias: bool = True  # LayerNorm only
-    norm_position: Literal["pre", "post"] = "pre"  # pre-norm stacks end with a final norm; post-norm (BERT) do not
+    norm_position: Literal["pre", "post"] = "pre"
+    # A norm after the last layer. None: exactly for pre-norm (Llama, GPT-2 have one; BERT does not); torch's
+    # nn.TransformerEncoder(norm=...) can put one after post-norm layers too, or leave it out after pre-norm ones.
+    final_norm: bool | None = None
     embedding_norm: bool = False  # a norm right after the embeddings (BERT, ModernBERT)
     first_layer_attn_norm: bool = (
         True  # False: layer 0 has no attention norm (ModernBERT: its input is already normed)
@@ -103,6 +109,7 @@ class TfmConfig(PreTrainedConfig):
 
     # --- heads and embeddings
     tie_word_embeddings: bool = True
+    lm_head_bias: bool = False  # bias on the causal LM's `lm_head` (an nn.Linear output layer of a torch GPT has one)
     classifier_pooling: Literal["first", "mean", "last"] | None = None  # None: "first" (encoder) / "last" (decoder)
     classifier_dropout: float | None = None  # None: hidden_dropout
     # Sequence-classification head between pooling and `score` (BERT's pooler: dense + tanh; ModernBERT's: + norm).
@@ -137,6 +144,8 @@ class TfmConfig(PreTrainedConfig):
             self.attention_out_bias = self.attention_bias
         if self.classifier_pooling is None:
             self.classifier_pooling = "last" if self.is_causal else "first"
+        if self.final_norm is None:
+            self.final_norm = self.norm_position == "pre"
         if self.layer_types is None:
             kind = "sliding_attention" if self.sliding_window is not None else "full_attention"
             self.layer_types = [kind] * self.num_hidden_layers
@@ -195,6 +204,12 @@ class TfmConfig(PreTrainedConfig):
             raise ValueError(
                 "`parallel_residual` needs `norm_position='pre'` (a post-norm parallel block is undefined)."
             )
+        if self.sinusoidal_layout != "interleaved" and self.position_embedding_type != "sinusoidal":
+            # Refused rather than ignored: it is easy to read as RoPE's rotate-half layout, which it does not change.
+            raise ValueError(
+                f"`sinusoidal_layout={self.sinusoidal_layout!r}` needs `position_embedding_type='sinusoidal'` "
+                f"(got {self.position_embedding_type!r}); it chooses the layout of the sinusoidal table only."
+            )
         if self.type_vocab_size < 0:
             raise ValueError(f"`type_vocab_size` must be >= 0, got {self.type_vocab_size}.")
         for name in ("attention_dropout", "hidden_dropout", "classifier_dropout"):
@@ -211,6 +226,12 @@ class TfmConfig(PreTrainedConfig):
             )
         self._validate_attn_implementation(self._attn_implementation)
 
+    def validate_rope(self) -> None:
+        """transformers' RoPE checks (an even `head_dim`, scaling keys), only where RoPE is used: an odd `head_dim` is
+        fine with sinusoidal, learned or ALiBi positions, and transformers runs this check on every config."""
+        if self.position_embedding_type == "rope":
+            super().validate_rope()
+
     def _validate_attn_implementation(self, implementation: str | None) -> None:
         # Flash kernels take no additive bias: ALiBi would be silently dropped.
         if self.position_embedding_type == "alibi" and implementation and implementation.startswith("flash"):
@@ -218,6 +239,16 @@ class TfmConfig(PreTrainedConfig):
                 f"`position_embedding_type='alibi'` cannot run on attn_implementation={implementation!r} "
                 "(flash kernels take no additive bias); use 'sdpa', 'eager' or 'flex_attention'."
             )
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs) -> "TfmConfig":
+        """`PreTrainedConfig.from_dict` (the path of `from_pretrained`), reading configs saved by older hf_tfm."""
+        return super().from_dict(upgrade_saved_config(config_dict), **kwargs)
+
+    @classmethod
+    def from_json_file(cls, json_file) -> "TfmConfig":
+        """`PreTrainedConfig.from_json_file`, reading configs saved by older hf_tfm."""
+        return cls(**upgrade_saved_config(cls._dict_from_json_file(json_file)))
 
     def convert_rope_params_to_dict(self, **kwargs) -> dict:
         """transformers' RoPE standardisation; a `rope_parameters` nested by layer type stays nested on every release.
@@ -281,6 +312,21 @@ class TfmConfig(PreTrainedConfig):
         return self.num_attention_heads // self.num_key_value_heads
 
 
+def upgrade_saved_config(config_dict: dict) -> dict:
+    """A saved config's fields as this version reads them: a knob added since gets the value the model was built with.
+
+    Sinusoidal checkpoints saved before `sinusoidal_layout` existed were built with the halves table (the only layout
+    then), while a fresh config gets the paper's interleaved one. A missing key means "halves" only in a *saved*
+    config, which `__post_init__` cannot tell from `TfmConfig(position_embedding_type="sinusoidal")`; so it is decided
+    here, where saved configs are read (`from_dict`, `from_json_file`, `presets.load_config`). A saved config is one
+    transformers wrote: it carries `transformers_version` (a hand-written dict or JSON gets the new default).
+    """
+    saved = "transformers_version" in config_dict
+    if saved and config_dict.get("position_embedding_type") == "sinusoidal" and "sinusoidal_layout" not in config_dict:
+        config_dict = {**config_dict, "sinusoidal_layout": "halves"}
+    return config_dict
+
+
 def _raise_value_errors(init):
     """Re-raise `@strict`'s field and class validation errors as the `ValueError` users catch for bad configs."""
 
@@ -296,4 +342,4 @@ def _raise_value_errors(init):
 
 TfmConfig.__init__ = _raise_value_errors(TfmConfig.__init__)
 
-__all__ = ["TfmConfig"]
+__all__ = ["TfmConfig", "upgrade_saved_config"]

@@ -176,6 +176,7 @@ def _common_blockers(config: TfmConfig, family: str, out: list[str], head: str) 
         _need(config, out, family, "add_pooling_layer", False, "False (no pooler in its base model)")
     _need(config, out, family, "parallel_residual", False)
     _need(config, out, family, "first_layer_attn_norm", family != "modernbert")
+    _need(config, out, family, "final_norm", family != "bert")  # BERT is post-norm: no norm after the last layer
     if family != "modernbert":
         _need(config, out, family, "rope_parameters", lambda v: not config.rope_per_layer_type, "one flat RoPE dict")
     if family in ("llama", "mistral", "qwen2"):  # no dropout outside attention in these blocks
@@ -941,7 +942,11 @@ def from_hf(model_or_path: PreTrainedModel | str | Path) -> TfmPreTrainedModel:
 
 def export_blockers(config: TfmConfig, head: str = "base") -> dict[str, list[str]]:
     """For each in-tree family, the knobs that keep `config` (with this head) from being exported to it."""
-    return {name: family.blockers(config, head) for name, family in FAMILIES.items()}
+    blockers = {name: family.blockers(config, head) for name, family in FAMILIES.items()}
+    for name, found in blockers.items():
+        if head == "causal_lm":  # no in-tree family has a bias on its causal LM head
+            _need(config, found, name, "lm_head_bias", False)
+    return blockers
 
 
 def to_hf(model: TfmPreTrainedModel | str | Path) -> PreTrainedModel:

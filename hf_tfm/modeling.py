@@ -209,11 +209,16 @@ def apply_rotary_pos_emb(
 
 
 class TfmSinusoidalEmbedding(nn.Module):
-    """Fixed sinusoidal positions ("Attention Is All You Need"), [sin | cos] halves, computed for any position."""
+    """Fixed sinusoidal positions ("Attention Is All You Need"), computed for any position.
+
+    Angle i is pos / 10000^(2i/D). `sinusoidal_layout="interleaved"` is the paper's table: sin on even dimensions,
+    cos on odd ones; "halves" is fairseq's and Marian's: all sines, then all cosines. An odd D drops the last cosine.
+    """
 
     def __init__(self, config: TfmConfig) -> None:
         super().__init__()
         self.dim = config.hidden_size
+        self.interleaved = config.sinusoidal_layout == "interleaved"
         self.inv_freq = nn.Buffer(self.compute_inv_freq(self.dim), persistent=False)
 
     @staticmethod
@@ -222,8 +227,11 @@ class TfmSinusoidalEmbedding(nn.Module):
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         angles = position_ids[..., None].float() * self.inv_freq  # (B, T, ceil(D/2))
-        emb = torch.cat((angles.sin(), angles.cos()), dim=-1)[..., : self.dim]
-        return emb.to(dtype)
+        if self.interleaved:
+            emb = torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)
+        else:
+            emb = torch.cat((angles.sin(), angles.cos()), dim=-1)
+        return emb[..., : self.dim].to(dtype)
 
 
 class TfmAlibi(nn.Module):
@@ -605,7 +613,7 @@ class TfmModel(TfmPreTrainedModel):
         self.embed_norm = make_norm(config) if config.embedding_norm else nn.Identity()
         self.embed_dropout = nn.Dropout(config.hidden_dropout)
         self.layers = nn.ModuleList(TfmBlock(config, i) for i in range(config.num_hidden_layers))
-        self.norm = make_norm(config) if config.norm_position == "pre" else nn.Identity()
+        self.norm = make_norm(config) if config.final_norm else nn.Identity()
         # BERT's pooler, kept so an imported one is not lost; heads pass add_pooling_layer=False (as BERT's do).
         self.pooler = None
         if config.add_pooling_layer and add_pooling_layer:
@@ -795,7 +803,7 @@ class TfmForCausalLM(TfmPreTrainedModel, GenerationMixin):
         if not config.is_causal:
             logger.warning("TfmForCausalLM built with `is_causal=False`: every token will see the future.")
         self.model = TfmModel(config, add_pooling_layer=False)  # the head pools for itself
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
         self.post_init()
 
     def get_output_embeddings(self) -> nn.Linear:

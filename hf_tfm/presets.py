@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .configuration import TfmConfig
+from .configuration import TfmConfig, upgrade_saved_config
 
 _LLAMA = {"position_embedding_type": "rope", "norm_type": "rmsnorm", "ffn_type": "glu", "hidden_act": "silu"}
 _GPT2 = {
@@ -115,6 +115,7 @@ def load_config(name_or_path: str | os.PathLike, **overrides: Any) -> TfmConfig:
             raise ValueError(f"{path} is not valid JSON: {err}") from err
         if not isinstance(fields, dict):
             raise ValueError(f"{path} must hold a JSON object of TfmConfig fields")
+        fields = upgrade_saved_config(fields)  # before `transformers_version` goes: it marks a saved config
         model_type = fields.pop("model_type", TfmConfig.model_type)
         if model_type != TfmConfig.model_type:
             raise ValueError(f"{path} describes a {model_type!r} model, not {TfmConfig.model_type!r}")

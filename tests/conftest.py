@@ -4,6 +4,7 @@ Import the plain functions from other test files with `from conftest import tiny
 (pytest puts this directory on `sys.path`), or use the fixtures of the same names.
 """
 
+import math
 import os
 import subprocess
 import sys
@@ -55,6 +56,16 @@ def enable_activation_checkpointing(model, options: dict | None = None) -> None:
     """`activation_checkpointing_enable` on newer transformers releases, `gradient_checkpointing_enable` before."""
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable(options)
+
+
+def paper_table(length: int, dim: int) -> torch.Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(...), written out element by element."""
+    table = torch.zeros(length, dim, dtype=torch.float64)
+    for pos in range(length):
+        for j in range(dim):
+            angle = pos / 10000 ** (2 * (j // 2) / dim)
+            table[pos, j] = math.sin(angle) if j % 2 == 0 else math.cos(angle)
+    return table
 
 
 def random_ids(batch: int, length: int, vocab_size: int = TINY["vocab_size"], seed: int = 0) -> torch.Tensor:

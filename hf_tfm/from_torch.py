@@ -1,0 +1,449 @@
+"""`from_torch`: turn a plain-PyTorch transformer (`nn.TransformerEncoder` plus embeddings and a head) into hf_tfm.
+
+A model written against `torch.nn` (the tutorial `TransformerClassifier`, a GPT built from `nn.TransformerEncoder`
+and a causal mask) becomes an ordinary hf_tfm model with the same weights and the same outputs, so `Trainer`,
+`generate()`, PEFT, `save_pretrained` and `push_to_hub` work on it. Every field of the torch modules is mapped
+exactly or refused with a `ValueError` that says what and why; nothing is approximated. Dropout is the exception
+that is reported, not refused: it does not change inference, and torch's dropout inside the feed-forward block has
+no place in hf_tfm's (a warning says so).
+
+What the torch modules cannot show is left to the caller: the torch model's forward. `embedding_scale` covers the
+tutorials' `embedding(src) * sqrt(d_model)`; the causal mask is implied by `task="causal-lm"`.
+"""
+
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers.utils import logging
+
+from .configuration import TfmConfig
+from .modeling import (
+    TfmForCausalLM,
+    TfmForMaskedLM,
+    TfmForSequenceClassification,
+    TfmForTokenClassification,
+    TfmModel,
+    TfmPreTrainedModel,
+)
+
+logger = logging.get_logger(__name__)
+
+TASKS: dict[str, type[TfmPreTrainedModel]] = {
+    "feature-extraction": TfmModel,
+    "sequence-classification": TfmForSequenceClassification,
+    "token-classification": TfmForTokenClassification,
+    "masked-lm": TfmForMaskedLM,
+    "causal-lm": TfmForCausalLM,
+}
+# torch's TransformerEncoderLayer runs exactly these two itself (its fast path special-cases them); anything else
+# is a custom activation. nn.GELU(approximate="tanh") is refused: torch's eval fast path computes it as exact gelu.
+LAYER_ACTIVATIONS = {F.relu: "relu", F.gelu: "gelu"}
+# Activation modules a head may hold between its dense layer and the output layer, as ACT2FN names.
+HEAD_ACTIVATIONS = {nn.ReLU: "relu", nn.Tanh: "tanh", nn.SiLU: "silu"}
+# The mapped values a caller may still override: training-time rates only (the parity does not depend on them).
+OVERRIDABLE = {"attention_dropout", "hidden_dropout", "classifier_dropout"}
+
+
+def sinusoidal_table(length: int, dim: int, layout: Literal["interleaved", "halves"]) -> torch.Tensor:
+    """The fixed table PE[pos, :] in fp64: angle i is pos / 10000^(2i/dim); an odd `dim` drops the last cosine.
+
+    "interleaved" (the paper, PyTorch's tutorials): sin at even dimensions, cos at odd ones. "halves" (fairseq,
+    Marian): the sines, then the cosines.
+    """
+    positions = torch.arange(length, dtype=torch.float64)[:, None]
+    angles = positions / 10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    if layout == "interleaved":
+        table = torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)
+    else:
+        table = torch.cat((angles.sin(), angles.cos()), dim=-1)
+    return table[:, :dim]
+
+
+def detect_sinusoidal_layout(table: torch.Tensor) -> Literal["interleaved", "halves"]:
+    """Which sinusoidal layout a (length, dim) table holds, or a `ValueError` when it holds neither.
+
+    A table built in fp32 (as the tutorials do) drifts from the fp64 formula by about 1e-7 x position (the angles'
+    rounding), so each row is allowed 1e-5 + 2e-7 x position; the two layouts differ by O(1) from position 1 on.
+    """
+    length, dim = table.shape
+    tolerance = 1e-5 + 2e-7 * torch.arange(length, dtype=torch.float64)[:, None]
+    errors = {}
+    for layout in ("interleaved", "halves"):
+        error = (table.detach().cpu().double() - sinusoidal_table(length, dim, layout)).abs()
+        if bool((error <= tolerance).all()):
+            return layout
+        errors[layout] = error.max().item()
+    raise ValueError(
+        f"`positions` is a fixed ({length}, {dim}) table but not a sinusoidal one (max difference from the "
+        f"interleaved formula {errors['interleaved']:.3g}, from the halves one {errors['halves']:.3g}). hf_tfm "
+        "recomputes sinusoidal tables from the formula, so it cannot hold another fixed table; pass a trainable "
+        "table as an nn.Embedding or nn.Parameter (learned positions)."
+    )
+
+
+def from_torch(
+    body: nn.Module,
+    *,
+    embed_tokens: nn.Embedding,
+    positions: nn.Embedding | nn.Parameter | torch.Tensor | None,
+    head: nn.Module | None = None,
+    task: str = "feature-extraction",
+    pooling: Literal["first", "mean", "last"] | None = None,
+    embedding_scale: float = 1.0,
+    **config_kwargs,
+) -> TfmPreTrainedModel:
+    """The hf_tfm model with the same architecture, weights and outputs as a plain-PyTorch transformer.
+
+    Args:
+        body: an `nn.TransformerEncoder` of `nn.TransformerEncoderLayer`s (`norm_first` either way, relu or gelu,
+            any `layer_norm_eps`, `bias`, `batch_first`, with or without its final `norm`).
+        embed_tokens: the token `nn.Embedding`; its `padding_idx` becomes `pad_token_id`.
+        positions: an `nn.Embedding` or trainable `nn.Parameter` (learned positions), or a fixed sinusoidal table
+            (a tensor of shape (length, d), (length, 1, d) or (1, length, d); its layout is detected).
+            `None` is refused: hf_tfm has no position-free mode.
+        head: the output layer. `nn.Linear` for sequence and token classification and the causal LM (tied when
+            its weight is `embed_tokens.weight`); for sequence classification also `nn.Sequential(Linear(d, d),
+            activation, [LayerNorm(d)], [Dropout], Linear(d, labels))` (BERT's pooler); for the masked LM
+            `nn.Sequential(Linear(d, d), activation, LayerNorm(d), Linear(d, vocab))`, the transform
+            `TfmForMaskedLM` has. `None` for feature extraction.
+        task: one of `TASKS`. "causal-lm" means the torch model runs the body with a causal mask.
+        pooling: sequence classification only: how the torch model reduces the sequence ("first", "mean" of real
+            tokens, or "last" real token).
+        embedding_scale: the factor the torch forward multiplies the token embeddings by (tutorials:
+            `math.sqrt(d_model)`); folded into the embedding weights, so it needs an untied head.
+        config_kwargs: further `TfmConfig` fields the torch modules do not hold (`id2label`, `bos_token_id`,
+            `eos_token_id`, `pad_token_id` when the embedding has no `padding_idx`, ...), and dropout rates.
+
+    Returns:
+        The `TASKS[task]` model, in the body's train/eval mode, dtype and device.
+    """
+    if isinstance(body, (nn.Transformer, nn.TransformerDecoder)):
+        raise NotImplementedError(
+            f"from_torch got an {type(body).__name__}: importing a seq2seq model (task 'seq2seq-lm') needs hf_tfm's "
+            "encoder-decoder model, which does not exist yet. Encoder-only bodies (nn.TransformerEncoder) import now."
+        )
+    if type(body) is not nn.TransformerEncoder:
+        raise ValueError(
+            f"`body` must be an nn.TransformerEncoder, got {type(body).__name__}: a subclass or another module may "
+            "run a forward hf_tfm does not reproduce."
+        )
+    if task not in TASKS:
+        raise ValueError(f"`task` must be one of {list(TASKS)}, got {task!r}.")
+    if (pooling is not None) != (task == "sequence-classification"):
+        raise ValueError(
+            f"`pooling` ('first', 'mean' or 'last') is required for sequence classification and only there; got "
+            f"pooling={pooling!r} with task={task!r}."
+        )
+
+    kwargs = _layers_config(body)
+    d = kwargs["hidden_size"]
+    state = _layers_state(body)
+    kwargs["final_norm"] = body.norm is not None
+    if body.norm is not None:
+        state.update(_norm_state(body.norm, "norm", d, kwargs, "the final `norm` of the encoder"))
+
+    kwargs.update(_embedding_config(embed_tokens, d))
+    tied = head is not None and _output_linear(head).weight is embed_tokens.weight
+    if embedding_scale != 1.0 and tied:
+        raise ValueError(
+            f"`embedding_scale`={embedding_scale} is folded into the embedding weights, which the tied head shares: "
+            "the output layer would be scaled too. hf_tfm has no embedding-scale knob; untie the head first."
+        )
+    state["embed_tokens.weight"] = embed_tokens.weight.detach() * embedding_scale
+    position_kwargs, position_state = _positions(positions, d)
+    kwargs.update(position_kwargs)
+    state.update(position_state)
+
+    kwargs["is_causal"] = task == "causal-lm"
+    kwargs["tie_word_embeddings"] = tied
+    head_kwargs, head_state = _head(head, task, d, kwargs)
+    kwargs.update(head_kwargs)
+    if task == "sequence-classification":
+        kwargs["classifier_pooling"] = pooling
+
+    # The torch modules name no special tokens: none are invented (an eos id of 2 would stop generate() early).
+    defaults = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
+    clashes = sorted(set(config_kwargs) & set(kwargs) - OVERRIDABLE)
+    if clashes:
+        raise ValueError(f"{clashes} are read from the torch modules; change the modules instead of overriding them.")
+    config = TfmConfig(**{**defaults, **kwargs, **config_kwargs})
+
+    parameter = next(body.parameters())
+    model = TASKS[task](config).to(parameter.dtype)
+    prefix = "" if task == "feature-extraction" else "model."
+    full_state = {prefix + name: tensor for name, tensor in state.items()}
+    full_state.update(head_state)
+    if tied:
+        full_state["lm_head.weight"] = full_state["model.embed_tokens.weight"]
+    model.load_state_dict(full_state, strict=True)  # a weight nobody mapped is an error, not a random init
+    return model.to(parameter.device).train(body.training)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The encoder layers
+
+
+def _layers_config(body: nn.TransformerEncoder) -> dict:
+    """The TfmConfig fields every layer agrees on, or a `ValueError` naming the first field where they differ."""
+    if len(body.layers) == 0:
+        raise ValueError("`body` has no layers.")
+    configs = [_layer_config(layer, i) for i, layer in enumerate(body.layers)]
+    for i, config in enumerate(configs[1:], start=1):
+        differ = sorted(k for k in config if config[k] != configs[0][k])
+        if differ:
+            raise ValueError(
+                f"Layer {i} differs from layer 0 in {differ}: hf_tfm layers share one config, so every layer must "
+                "be built alike."
+            )
+    return {**configs[0], "num_hidden_layers": len(configs)}
+
+
+def _layer_config(layer: nn.Module, i: int) -> dict:
+    if type(layer) is not nn.TransformerEncoderLayer:
+        raise ValueError(
+            f"Layer {i} is a {type(layer).__name__}, not an nn.TransformerEncoderLayer: a custom layer class may run "
+            "a forward hf_tfm does not reproduce."
+        )
+    attn = layer.self_attn
+    d = attn.embed_dim
+    if not attn._qkv_same_embed_dim or attn.in_proj_weight is None:
+        raise ValueError(f"Layer {i}: self-attention with kdim/vdim != embed_dim has no hf_tfm equivalent.")
+    if attn.bias_k is not None or attn.add_zero_attn:
+        raise ValueError(f"Layer {i}: `add_bias_kv` / `add_zero_attn` attention has no hf_tfm equivalent.")
+    linear1, linear2 = layer.linear1, layer.linear2
+    if (linear1.bias is None) != (linear2.bias is None):
+        raise ValueError(f"Layer {i}: `linear1` and `linear2` must both have a bias or both not (one `mlp_bias`).")
+    if linear1.in_features != d or linear2.out_features != d or linear2.in_features != linear1.out_features:
+        raise ValueError(
+            f"Layer {i}: mismatched sizes: linear1 {linear1.in_features}->{linear1.out_features}, linear2 "
+            f"{linear2.in_features}->{linear2.out_features}, d_model {d}."
+        )
+    norms = {name: getattr(layer, name) for name in ("norm1", "norm2")}
+    for name, norm in norms.items():
+        if type(norm) is not nn.LayerNorm or tuple(norm.normalized_shape) != (d,):
+            raise ValueError(f"Layer {i}: `{name}` must be an nn.LayerNorm over d_model={d}, got {norm}.")
+    if norms["norm1"].eps != norms["norm2"].eps or _has_bias(norms["norm1"]) != _has_bias(norms["norm2"]):
+        raise ValueError(f"Layer {i}: `norm1` and `norm2` differ in eps or bias (hf_tfm has one `norm_eps`).")
+    if layer.dropout1.p != layer.dropout2.p:
+        logger.warning(
+            f"Layer {i}: dropout1 ({layer.dropout1.p}) != dropout2 ({layer.dropout2.p}); hf_tfm has one "
+            "`hidden_dropout` and uses dropout1's. This changes training only."
+        )
+    if layer.dropout.p > 0 and i == 0:
+        logger.warning(
+            f"torch's dropout inside the feed-forward block (p={layer.dropout.p}) has no place in hf_tfm's; it is "
+            "left out (hf_tfm applies `hidden_dropout` after the embeddings instead). This changes training only."
+        )
+    return {
+        "hidden_size": d,
+        "num_attention_heads": attn.num_heads,
+        "intermediate_size": linear1.out_features,
+        "norm_type": "layernorm",
+        "norm_eps": norms["norm1"].eps,
+        "norm_bias": _has_bias(norms["norm1"]),
+        "norm_position": "pre" if layer.norm_first else "post",
+        "ffn_type": "mlp",
+        "hidden_act": _layer_activation(layer.activation, i),
+        "attention_bias": attn.in_proj_bias is not None,
+        "attention_out_bias": attn.out_proj.bias is not None,
+        "mlp_bias": linear1.bias is not None,
+        "attention_dropout": float(attn.dropout),
+        "hidden_dropout": float(layer.dropout1.p),
+    }
+
+
+def _layer_activation(activation, i: int) -> str:
+    if isinstance(activation, nn.ReLU):
+        return "relu"
+    if isinstance(activation, nn.GELU) and activation.approximate == "none":
+        return "gelu"
+    name = None if isinstance(activation, nn.Module) else LAYER_ACTIVATIONS.get(activation)
+    if name is None:
+        raise ValueError(
+            f"Layer {i}: activation {activation!r} is not relu or gelu (string, F.relu/F.gelu or nn.ReLU/nn.GELU()): "
+            "a custom activation cannot be mapped to an hf_tfm `hidden_act` exactly."
+        )
+    return name
+
+
+def _has_bias(norm: nn.LayerNorm) -> bool:
+    # elementwise_affine=False is a LayerNorm with weight 1 and bias 0: hf_tfm's norm holds exactly that.
+    return norm.bias is not None or not norm.elementwise_affine
+
+
+def _layers_state(body: nn.TransformerEncoder) -> dict[str, torch.Tensor]:
+    state = {}
+    for i, layer in enumerate(body.layers):
+        attn, prefix, d = layer.self_attn, f"layers.{i}.", layer.self_attn.embed_dim
+        # in_proj stacks the q, k and v projections row-wise: [q; k; v], each (d, d).
+        for name, weight in zip(("q", "k", "v"), attn.in_proj_weight.detach().split(d), strict=True):
+            state[f"{prefix}self_attn.{name}_proj.weight"] = weight
+        if attn.in_proj_bias is not None:
+            for name, bias in zip(("q", "k", "v"), attn.in_proj_bias.detach().split(d), strict=True):
+                state[f"{prefix}self_attn.{name}_proj.bias"] = bias
+        state.update(_linear_state(attn.out_proj, f"{prefix}self_attn.o_proj"))
+        state.update(_linear_state(layer.linear1, f"{prefix}mlp.up_proj"))
+        state.update(_linear_state(layer.linear2, f"{prefix}mlp.down_proj"))
+        state.update(_norm_state(layer.norm1, f"{prefix}attn_norm"))
+        state.update(_norm_state(layer.norm2, f"{prefix}mlp_norm"))
+    return state
+
+
+def _linear_state(linear: nn.Linear, name: str) -> dict[str, torch.Tensor]:
+    state = {f"{name}.weight": linear.weight.detach()}
+    if linear.bias is not None:
+        state[f"{name}.bias"] = linear.bias.detach()
+    return state
+
+
+def _norm_state(
+    norm: nn.Module, name: str, d: int | None = None, config: dict | None = None, what: str = ""
+) -> dict[str, torch.Tensor]:
+    """A LayerNorm's weights under `name`; with `config`, first check it fits the one `norm_eps` / `norm_bias`."""
+    if config is not None:
+        if type(norm) is not nn.LayerNorm or tuple(norm.normalized_shape) != (d,):
+            raise ValueError(f"{what} must be an nn.LayerNorm over d_model={d}, got {norm}.")
+        if norm.eps != config["norm_eps"] or _has_bias(norm) != config["norm_bias"]:
+            raise ValueError(
+                f"{what} has eps={norm.eps}, bias={_has_bias(norm)} but the layers' norms have "
+                f"eps={config['norm_eps']}, bias={config['norm_bias']} (hf_tfm has one `norm_eps` and `norm_bias`)."
+            )
+    if not norm.elementwise_affine:
+        shape = norm.normalized_shape
+        return {f"{name}.weight": torch.ones(shape), f"{name}.bias": torch.zeros(shape)}
+    state = {f"{name}.weight": norm.weight.detach()}
+    if norm.bias is not None:
+        state[f"{name}.bias"] = norm.bias.detach()
+    return state
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Embeddings and positions
+
+
+def _embedding_config(embed_tokens: nn.Embedding, d: int) -> dict:
+    if type(embed_tokens) is not nn.Embedding:
+        raise ValueError(f"`embed_tokens` must be an nn.Embedding, got {type(embed_tokens).__name__}.")
+    if embed_tokens.embedding_dim != d:
+        raise ValueError(f"`embed_tokens` has embedding_dim={embed_tokens.embedding_dim} but the body d_model={d}.")
+    if embed_tokens.max_norm is not None:
+        raise ValueError("`embed_tokens` has `max_norm`: it renormalises rows at lookup, which hf_tfm does not.")
+    config = {"vocab_size": embed_tokens.num_embeddings}
+    if embed_tokens.padding_idx is not None:
+        config["pad_token_id"] = embed_tokens.padding_idx
+    return config
+
+
+def _positions(positions, d: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    if positions is None:
+        raise ValueError(
+            "`positions=None`: hf_tfm has no position-free mode (each of its position types adds position "
+            "information), so a model without positions cannot be reproduced."
+        )
+    if isinstance(positions, nn.Embedding):
+        if positions.embedding_dim != d or positions.max_norm is not None:
+            raise ValueError(f"`positions` must be an nn.Embedding(length, {d}) without max_norm, got {positions}.")
+        table = positions.weight
+    elif isinstance(positions, torch.Tensor):
+        table = positions
+        if table.ndim == 3 and 1 in table.shape[:2]:  # (length, 1, d) seq-first or (1, length, d) batch-first
+            table = table.reshape(-1, table.shape[-1])
+        if table.ndim != 2 or table.shape[1] != d:
+            raise ValueError(
+                f"`positions` must have shape (length, {d}), (length, 1, {d}) or (1, length, {d}); "
+                f"got {tuple(positions.shape)}."
+            )
+    else:
+        raise ValueError(f"`positions` must be an nn.Embedding, a tensor or an nn.Parameter, got {type(positions)}.")
+    learned = isinstance(positions, nn.Embedding) or (isinstance(positions, nn.Parameter) and positions.requires_grad)
+    config = {"max_position_embeddings": table.shape[0]}
+    if learned:
+        return {**config, "position_embedding_type": "learned"}, {"embed_positions.weight": table.detach()}
+    layout = detect_sinusoidal_layout(table)
+    return {**config, "position_embedding_type": "sinusoidal", "sinusoidal_layout": layout}, {}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Heads
+
+
+def _output_linear(head: nn.Module) -> nn.Linear:
+    linear = head[-1] if isinstance(head, nn.Sequential) and len(head) else head
+    if not isinstance(linear, nn.Linear):
+        raise ValueError(f"`head` must be an nn.Linear or an nn.Sequential ending in one, got {head}.")
+    return linear
+
+
+def _head(head: nn.Module | None, task: str, d: int, config: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    if task == "feature-extraction":
+        if head is not None:
+            raise ValueError("task 'feature-extraction' has no head: pass `head=None` (or choose the head's task).")
+        return {}, {}
+    if head is None:
+        raise ValueError(f"task {task!r} needs `head`, the torch model's output layer.")
+    parts = list(head) if isinstance(head, nn.Sequential) else [head]
+    dropout = 0.0
+    if len(parts) > 1 and isinstance(parts[-2], nn.Dropout):  # hf_tfm's heads drop out right before the output
+        dropout = parts.pop(-2).p
+    out, transform = parts[-1], parts[:-1]
+    if type(out) is not nn.Linear or out.in_features != d:
+        raise ValueError(f"`head` must end in an nn.Linear({d}, n), got {out}.")
+    vocab = config["vocab_size"]
+    if task in ("masked-lm", "causal-lm") and out.out_features != vocab:
+        raise ValueError(f"{task} head has {out.out_features} outputs but the vocabulary has {vocab} tokens.")
+    if task == "causal-lm":
+        if transform:
+            raise ValueError(f"causal-lm `head` must be one nn.Linear (TfmForCausalLM's lm_head), got {head}.")
+        return {"lm_head_bias": out.bias is not None}, _linear_state(out, "lm_head")
+    kwargs = {"num_labels": out.out_features, "classifier_bias": out.bias is not None, "classifier_dropout": dropout}
+    if task == "token-classification":
+        if transform:
+            raise ValueError(f"token-classification `head` must be one nn.Linear (its `score`), got {head}.")
+        return kwargs, _linear_state(out, "score")
+    if task == "sequence-classification":
+        state = _linear_state(out, "score")
+        if transform:
+            dense, activation, norm = _transform(transform, d, config, "sequence-classification")
+            kwargs.update(classifier_dense=True, classifier_activation=activation, classifier_norm=norm is not None)
+            kwargs["head_dense_bias"] = dense.bias is not None
+            state.update(_linear_state(dense, "head.dense"))
+            if norm is not None:
+                state.update(_norm_state(norm, "head.norm", d, config, "the head's LayerNorm"))
+        return kwargs, state
+    # masked-lm: TfmForMaskedLM always has the dense -> activation -> norm transform, and a biased decoder.
+    if len(transform) != 3:
+        raise ValueError(
+            "masked-lm `head` must be nn.Sequential(Linear(d, d), activation, LayerNorm(d), Linear(d, vocab)): "
+            "TfmForMaskedLM's head has that transform (BERT's). A plain Linear head is a token classifier over the "
+            f"vocabulary (task 'token-classification'); got {head}."
+        )
+    dense, activation, norm = _transform(transform, d, config, "masked-lm")
+    if dropout > 0:
+        logger.warning(f"The masked-LM head's dropout (p={dropout}) has no place in TfmForMaskedLM; training only.")
+    state = {
+        **_linear_state(dense, "head.dense"),
+        **_norm_state(norm, "head.norm", d, config, "the masked-LM head's LayerNorm"),
+        "lm_head.weight": out.weight.detach(),
+        # TfmForMaskedLM's decoder always has a bias: a zero one is the same layer.
+        "lm_head.bias": out.bias.detach() if out.bias is not None else torch.zeros(out.out_features),
+    }
+    return {"mlm_head_activation": activation, "head_dense_bias": dense.bias is not None}, state
+
+
+def _transform(parts: list[nn.Module], d: int, config: dict, task: str) -> tuple[nn.Linear, str, nn.Module | None]:
+    """(dense, activation name, norm or None) of a head's Linear(d, d) -> activation [-> LayerNorm] transform."""
+    if len(parts) not in (2, 3) or type(parts[0]) is not nn.Linear or parts[0].weight.shape != (d, d):
+        raise ValueError(f"{task} head transform must be Linear({d}, {d}), activation[, LayerNorm({d})]; got {parts}.")
+    activation = parts[1]
+    name = HEAD_ACTIVATIONS.get(type(activation))
+    if isinstance(activation, nn.GELU):
+        name = {"none": "gelu", "tanh": "gelu_pytorch_tanh"}[activation.approximate]
+    if name is None:
+        raise ValueError(f"{task} head activation {activation} is not relu, gelu, tanh or silu: no exact match")
+    norm = parts[2] if len(parts) == 3 else None
+    return parts[0], name, norm
+
+
+__all__ = ["TASKS", "detect_sinusoidal_layout", "from_torch", "sinusoidal_table"]
