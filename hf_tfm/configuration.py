@@ -242,7 +242,9 @@ class TfmConfig(PreTrainedConfig):
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs) -> "TfmConfig":
-        """`PreTrainedConfig.from_dict` (the path of `from_pretrained`), reading configs saved by older hf_tfm."""
+        """`PreTrainedConfig.from_dict` (the path of `from_pretrained` and `AutoConfig`): refuses keys TfmConfig does
+        not read, and reads configs saved by older hf_tfm."""
+        cls._refuse_unknown_keys(config_dict, "config.json")
         return super().from_dict(upgrade_saved_config(config_dict), **kwargs)
 
     @classmethod
@@ -278,12 +280,6 @@ class TfmConfig(PreTrainedConfig):
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
         cls._refuse_unknown_keys(config_dict, f"{pretrained_model_name_or_path}/config.json")
         return config_dict, kwargs
-
-    @classmethod
-    def from_dict(cls, config_dict: dict, **kwargs):
-        """transformers' `from_dict` (what `AutoConfig` calls), refusing keys TfmConfig does not read."""
-        cls._refuse_unknown_keys(config_dict, "config.json")
-        return super().from_dict(config_dict, **kwargs)
 
     @classmethod
     def _refuse_unknown_keys(cls, config_dict: dict, where: str) -> None:

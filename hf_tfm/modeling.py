@@ -507,7 +507,7 @@ class TfmPreTrainedModel(PreTrainedModel):
         if _fsdp_requested(distributed_config) and not TRAINER_TAKES_SHARDED_MODELS:
             logger.warning_once(
                 "This transformers release's Trainer wraps a natively sharded model in DDP and fails; train it with "
-                "your own loop, or use transformers 5.24, whose Trainer takes it as is."
+                "your own loop, or use transformers 5.19 or newer, whose Trainer takes it as is."
             )
         return super().maybe_distribute_model(model, distributed_config, *args, **kwargs)
 

@@ -63,7 +63,7 @@ def test_torchrun_ddp_matches_single_process(tmp_path):
 
 @pytest.mark.skipif(
     not TRAINER_TAKES_SHARDED_MODELS,
-    reason="this transformers release's Trainer wraps a natively sharded model in DDP; transformers 5.24 takes it",
+    reason="this transformers release's Trainer wraps a natively sharded model in DDP; 5.19 and newer take it",
 )
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_native_fsdp2_trains_sharded_and_saves_a_loadable_checkpoint(tmp_path, tied):
