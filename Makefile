@@ -11,7 +11,7 @@ VENV := .venv$(if $(TRANSFORMERS),-transformers-$(TRANSFORMERS))
 STAMP := $(VENV)/.installed
 PIN := $(if $(TRANSFORMERS),"transformers==$(TRANSFORMERS)")
 
-.PHONY: demo test test-matrix lint env
+.PHONY: demo test test-matrix matrix-env lint env
 
 env: $(STAMP)
 
@@ -31,8 +31,13 @@ test: $(STAMP)
 	$(VENV)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
 	$(VENV)/bin/python -m pytest $(ARGS)
 
+# Every release's environment, made before any suite runs (tests/test_cross_release.py loads checkpoints across them).
+matrix-env:
+	$(MAKE) env
+	set -e; for v in $(MATRIX); do $(MAKE) env TRANSFORMERS=$$v; done
+
 # The newest release (the default environment), then each pinned one, each in its own environment.
-test-matrix:
+test-matrix: matrix-env
 	$(MAKE) test
 	set -e; for v in $(MATRIX); do $(MAKE) test TRANSFORMERS=$$v; done
 

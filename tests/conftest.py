@@ -74,8 +74,8 @@ def random_ids(batch: int, length: int, vocab_size: int = TINY["vocab_size"], se
     return torch.randint(3, vocab_size, (batch, length), generator=generator)
 
 
-def run_without_hf_tfm(code: str, tmp_path: Path, timeout: float = 180.0) -> str:
-    """Run `code` in a fresh Python where `import hf_tfm` fails; return its stdout, raise with stderr on failure.
+def run_without_hf_tfm(code: str, tmp_path: Path, timeout: float = 180.0, python: str = sys.executable) -> str:
+    """Run `code` in a fresh Python (this one, or `python`) where `import hf_tfm` fails; return its stdout.
 
     The package is installed editable, so it is blocked with `sys.modules["hf_tfm"] = None`. The environment is
     offline (`HF_HUB_OFFLINE=1`), has its own `HF_MODULES_CACHE` under `tmp_path`, and stdin is /dev/null so
@@ -92,7 +92,7 @@ def run_without_hf_tfm(code: str, tmp_path: Path, timeout: float = 180.0) -> str
     }
     env.pop("PYTHONPATH", None)  # the tests directory and the repo root must not leak into the child
     result = subprocess.run(
-        [sys.executable, "-c", program],
+        [python, "-c", program],
         cwd=tmp_path,
         env=env,
         stdin=subprocess.DEVNULL,
