@@ -12,6 +12,7 @@ sits under `if __name__ == "__main__":` because vLLM starts its engine core with
 
 import importlib.util
 import json
+import os
 import sys
 
 ENGINES = []  # every LLM made here, shut down explicitly before the interpreter exits
@@ -131,7 +132,12 @@ if __name__ == "__main__":
         request = json.load(file)
     try:
         result = MODES[mode](request)
+        with open(result_path, "w") as file:
+            json.dump(result, file)
     finally:
         _shutdown()
-    with open(result_path, "w") as file:
-        json.dump(result, file)
+    # vLLM's engine threads can abort the interpreter's own teardown ("terminate called without an active
+    # exception") after everything above finished; the result is written and the engine is down, so leave now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
