@@ -286,7 +286,7 @@ class TfmConfig(PreTrainedConfig):
         # transformers keeps unknown keys as plain attributes: a misspelt knob (`sliding_windw`) would load a model
         # that silently differs from the one the file describes.
         if config_dict.get("model_type", cls.model_type) != cls.model_type:
-            return  # another model's config (convert.py reads any folder's model_type through this class)
+            return  # another model's config (hf_tfm.convert reads any folder's model_type through this class)
         known = set(cls().to_dict()) | set(PreTrainedConfig().to_dict()) | EXTRA_CONFIG_KEYS
         # "_": transformers' bookkeeping; "*_token_id": special-token ids (an import carries ModernBERT's cls/sep ids)
         unknown = sorted(k for k in set(config_dict) - known if not k.startswith("_") and not k.endswith("_token_id"))

@@ -1,0 +1,359 @@
+"""The shared core of hf_tfm's converters: weight-name rules, the `Family` record, the blockers every family checks,
+the family registry, and the public functions that run a registered family in either direction.
+
+A family module (`llama_like.py`, `gpt2.py`, ...) builds one or more `Family` records and calls `register` on import;
+nothing here names a family, so adding one touches no other family's code.
+"""
+
+import inspect
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoConfig, GenerationConfig, PreTrainedModel
+from transformers.utils import logging
+
+from .. import modeling
+from ..configuration import TfmConfig
+from ..modeling import (
+    TfmForCausalLM,
+    TfmForMaskedLM,
+    TfmForQuestionAnswering,
+    TfmForSequenceClassification,
+    TfmForTokenClassification,
+    TfmModel,
+    TfmPreTrainedModel,
+)
+
+logger = logging.get_logger(__name__)
+
+HEADS = ("base", "causal_lm", "sequence_classification", "token_classification", "masked_lm", "question_answering")
+TFM_CLASSES = {
+    "base": TfmModel,
+    "causal_lm": TfmForCausalLM,
+    "sequence_classification": TfmForSequenceClassification,
+    "token_classification": TfmForTokenClassification,
+    "masked_lm": TfmForMaskedLM,
+    "question_answering": TfmForQuestionAnswering,
+}
+IN_TREE_DEFAULT_CLASSIFIER_DROPOUT = 0.1  # GenericForTokenClassification / GPT-2's fallback when the config has none
+# Config fields every head carries unchanged in both directions (labels, problem type).
+CARRIED_FIELDS = ("id2label", "label2id", "problem_type")
+
+
+def _head_of(model: torch.nn.Module) -> str:
+    for head, cls in TFM_CLASSES.items():
+        if type(model) is cls:
+            return head
+    for family in FAMILIES.values():
+        for head, cls in family.classes.items():
+            if type(model) is cls:
+                return head
+    if type(model) in REFUSED_IMPORTS:
+        raise ValueError(f"No hf_tfm import for {type(model).__name__}: {REFUSED_IMPORTS[type(model)]}.")
+    raise ValueError(f"No conversion for {type(model).__name__}.")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Weight-name rules. A template like "layers.{i}.attn_norm.{p}" matches a key with a layer index and weight/bias; the
+# same rule read right-to-left maps the other way. `transpose` marks GPT-2's Conv1D weights ((in, out) layout).
+
+
+@dataclass(frozen=True)
+class Rule:
+    tfm: str
+    hf: str
+    transpose: bool = False
+
+
+def _regex(template: str) -> re.Pattern:
+    pattern = re.escape(template)
+    for name, group in (("i", r"\d+"), ("p", r"weight|bias"), ("n", r"[a-z_]+")):
+        pattern = pattern.replace(re.escape("{" + name + "}"), f"(?P<{name}>{group})")
+    return re.compile(pattern)
+
+
+def _rename(key: str, rules: list[Rule], to_hf: bool) -> tuple[str, bool] | None:
+    for rule in rules:
+        src, dst = (rule.tfm, rule.hf) if to_hf else (rule.hf, rule.tfm)
+        match = _regex(src).fullmatch(key)
+        if match:
+            return dst.format(**match.groupdict()), rule.transpose and match.groupdict().get("p") == "weight"
+    return None
+
+
+def _prefixed(rules: list[Rule], tfm_prefix: str, hf_prefix: str) -> list[Rule]:
+    return [Rule(tfm_prefix + r.tfm, hf_prefix + r.hf, r.transpose) for r in rules]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Families
+
+
+@dataclass
+class Family:
+    name: str
+    config_class: type
+    classes: dict[str, type]  # head -> in-tree class
+    hf_prefix: str  # the in-tree base model's attribute inside its heads ("model.", "transformer.", "bert.")
+    base_rules: list[Rule]
+    head_rules: dict[str, list[Rule]]
+    config_from_hf: Callable  # (hf_config, head) -> TfmConfig kwargs
+    blockers: Callable  # (TfmConfig, head) -> list of "knob=value (needs ...)"
+    config_to_hf: Callable  # (TfmConfig, head) -> in-tree config kwargs
+    hf_aliases: dict[str, str] = field(default_factory=dict)  # in-tree key -> the key it must equal (tied copies)
+    split_state: Callable | None = None  # in-tree state dict -> the same with fused projections split (before rules)
+    fuse_state: Callable | None = None  # the reverse, after the rules (GPT-2's c_attn, ModernBERT's Wqkv and Wi)
+    head_prefixes: dict[str, str] = field(default_factory=dict)  # head -> hf_prefix where a head differs (Llama QA)
+
+    def rules(self, head: str) -> list[Rule]:
+        if head == "base":
+            return self.base_rules + self.head_rules.get("base", [])
+        prefix = self.head_prefixes.get(head, self.hf_prefix)
+        return _prefixed(self.base_rules, "model.", prefix) + self.head_rules.get(head, [])
+
+
+def need(config: TfmConfig, out: list[str], family: str, knob: str, expected, why: str | None = None) -> None:
+    """Append a blocker message when `config.<knob>` differs from `expected` (a value or a predicate)."""
+    value = getattr(config, knob)
+    ok = expected(value) if callable(expected) else value == expected
+    if not ok:
+        needs = why or f"{expected!r}"
+        out.append(f"`{knob}`={value!r} ({family} needs {needs})")
+
+
+def common_blockers(
+    config: TfmConfig,
+    family: str,
+    out: list[str],
+    head: str,
+    *,
+    base_pooler: bool = False,
+    first_layer_attn_norm: bool = True,
+    final_norm: bool = True,
+    flat_rope: bool = True,
+    hidden_dropout: bool = True,
+) -> None:
+    """The knobs most in-tree families fix; each keyword says what this family's block has."""
+    need(config, out, family, "qk_norm", False)
+    if head == "base" and not base_pooler:  # heads build no backbone pooler
+        need(config, out, family, "add_pooling_layer", False, "False (no pooler in its base model)")
+    need(config, out, family, "parallel_residual", False)
+    need(config, out, family, "first_layer_attn_norm", first_layer_attn_norm)
+    need(config, out, family, "final_norm", final_norm)
+    if flat_rope:
+        need(config, out, family, "rope_parameters", lambda v: not config.rope_per_layer_type, "one flat RoPE dict")
+    if not hidden_dropout:  # no dropout outside attention in the block
+        need(config, out, family, "hidden_dropout", 0.0)
+
+
+def classifier_blockers(
+    config: TfmConfig, head: str, family: str, out: list[str], pooling: str, bias: bool, dense: bool = False
+) -> None:
+    """Sequence classifiers pool `pooling` (then a tanh dense layer where `dense`); token classifiers have a bias."""
+    if head == "sequence_classification":
+        need(config, out, family, "classifier_pooling", pooling)
+        need(config, out, family, "classifier_bias", bias)
+        need(config, out, family, "classifier_dense", dense)
+        if dense:
+            need(config, out, family, "classifier_activation", "tanh")
+            need(config, out, family, "classifier_norm", False)
+            need(config, out, family, "head_dense_bias", True)
+    if head == "token_classification":
+        need(config, out, family, "classifier_bias", True)
+
+
+def sizes(c) -> dict:
+    return {
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "max_position_embeddings": c.max_position_embeddings,
+        "initializer_range": c.initializer_range,
+        "pad_token_id": c.pad_token_id,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_id,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "use_cache": getattr(c, "use_cache", True),  # ModernBERT (an encoder) has none
+    }
+
+
+def token_dropout_to_hf(config: TfmConfig, head: str) -> dict:
+    """Only the token classifier of Llama-like / GPT-2 models reads a (non-field) `classifier_dropout`."""
+    if head != "token_classification":
+        return {}
+    p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout
+    return {} if p == IN_TREE_DEFAULT_CLASSIFIER_DROPOUT else {"classifier_dropout": p}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Registry: family modules add themselves on import, in the order `to_hf` tries them.
+
+FAMILIES: dict[str, Family] = {}
+# In-tree heads whose structure hf_tfm does not have: importing one raises this reason instead of guessing.
+REFUSED_IMPORTS: dict[type, str] = {}
+
+
+def register(*families: Family, refused: dict[type, str] | None = None) -> None:
+    for family in families:
+        if family.name in FAMILIES:
+            raise ValueError(f"A converter for `{family.name}` is already registered.")
+        FAMILIES[family.name] = family
+    REFUSED_IMPORTS.update(refused or {})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Public API
+
+
+def _load_in_tree(path: str | Path) -> PreTrainedModel:
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type not in FAMILIES:
+        raise ValueError(
+            f"`model_type={config.model_type!r}` in {path} is not importable; supported: {sorted(FAMILIES)}."
+        )
+    architecture = (config.architectures or [FAMILIES[config.model_type].classes["base"].__name__])[0]
+    return getattr(transformers, architecture).from_pretrained(path)
+
+
+def _build(cls, config, source: torch.nn.Module, state: dict) -> PreTrainedModel:
+    """Instantiate `cls(config)` with the source's attention backend, load `state` strictly, match dtype."""
+    config._attn_implementation = source.config._attn_implementation
+    # A backbone carries a pooler when the weights have one (BertModel's `add_pooling_layer`, our config knob).
+    takes_pooler = "add_pooling_layer" in inspect.signature(cls.__init__).parameters
+    pooler = any(key.startswith("pooler.") for key in state)
+    model = cls(config, add_pooling_layer=pooler) if takes_pooler else cls(config)
+    dtype = next(source.parameters()).dtype
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in _tied_targets(model)]
+    if missing or unexpected:
+        raise ValueError(
+            f"Weight mapping for {cls.__name__} is incomplete: missing {missing}, unexpected {unexpected}."
+        )
+    model.to(dtype)
+    model.config.dtype = dtype  # saved as config.json's "dtype", as from_pretrained would record it
+    if getattr(source, "generation_config", None) is not None and model.can_generate():
+        model.generation_config = GenerationConfig.from_dict(source.generation_config.to_dict())
+    model.train(source.training)
+    return model
+
+
+def _tied_targets(model: PreTrainedModel) -> set[str]:
+    """Keys that are tied copies of another weight (filled by tying, not by the state dict)."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return set()
+    return set(getattr(model, "all_tied_weights_keys", {}) or {})
+
+
+def from_hf(model_or_path: PreTrainedModel | str | Path) -> TfmPreTrainedModel:
+    """An in-tree Llama / Mistral / Qwen2 / GPT-2 / BERT / ModernBERT model (object or folder) as hf_tfm's equivalent.
+
+    The head follows the source: `*Model` -> `TfmModel`, `*ForCausalLM`/`GPT2LMHeadModel` -> `TfmForCausalLM`,
+    `*ForSequenceClassification`, `*ForTokenClassification`, `*ForQuestionAnswering`, `*ForMaskedLM` -> the hf_tfm head
+    of that name (not ModernBertForQuestionAnswering, whose span head has an extra transform). Weights
+    are copied (GPT-2's Conv1D ones transposed), the attention backend, dtype and generation config are kept.
+    """
+    source = _load_in_tree(model_or_path) if isinstance(model_or_path, (str, Path)) else model_or_path
+    family = FAMILIES.get(source.config.model_type)
+    if family is None:
+        raise ValueError(
+            f"No hf_tfm import for model_type={source.config.model_type!r}; supported: {sorted(FAMILIES)}."
+        )
+    head = _head_of(source)
+    kwargs = family.config_from_hf(source.config, head)
+    kwargs.update({name: getattr(source.config, name) for name in CARRIED_FIELDS})
+    state = source.state_dict()
+    if family.split_state is not None:
+        state = family.split_state(state)
+    rules = family.rules(head)
+    converted = {}
+    for key, value in state.items():
+        if key in family.hf_aliases:
+            continue
+        renamed = _rename(key, rules, to_hf=False)
+        if renamed is None:
+            raise ValueError(f"from_hf: no hf_tfm counterpart for {family.name} weight `{key}`.")
+        name, transpose = renamed
+        converted[name] = value.t() if transpose else value
+    kwargs["add_pooling_layer"] = head == "base" and any(key.startswith("pooler.") for key in converted)
+    config = TfmConfig(**kwargs)
+    return _build(TFM_CLASSES[head], config, source, {k: v.detach().clone() for k, v in converted.items()})
+
+
+def export_blockers(config: TfmConfig, head: str = "base") -> dict[str, list[str]]:
+    """For each in-tree family, the knobs that keep `config` (with this head) from being exported to it."""
+    blockers = {name: family.blockers(config, head) for name, family in FAMILIES.items()}
+    for name, found in blockers.items():
+        if head == "causal_lm":  # no in-tree family has a bias on its causal LM head
+            need(config, found, name, "lm_head_bias", False)
+    return blockers
+
+
+def to_hf(model: TfmPreTrainedModel | str | Path) -> PreTrainedModel:
+    """The in-tree transformers model equal to an hf_tfm model, or a `ValueError` naming every blocking knob.
+
+    The first registered family that expresses the config exactly wins, in the order of `FAMILIES` (llama, mistral,
+    qwen2, gpt2, bert, modernbert, ...), so an all-full-attention Mistral comes back as Llama, which is the same
+    architecture. The result saves and loads with plain transformers, no `trust_remote_code`.
+    """
+    if isinstance(model, (str, Path)):
+        config = TfmConfig.from_pretrained(model)
+        architecture = (config.architectures or ["TfmModel"])[0]
+        model = getattr(modeling, architecture).from_pretrained(model)
+    head = _head_of(model)
+    config = model.config
+    blockers = export_blockers(config, head)
+    name = next((name for name, found in blockers.items() if not found and head in FAMILIES[name].classes), None)
+    if name is None:
+        ranked = sorted(blockers.items(), key=lambda item: len(item[1]))
+        closest, found = ranked[0]
+        others = "; ".join(f"{n}: {len(b)} knobs" for n, b in ranked[1:])
+        raise ValueError(
+            f"This hf_tfm config ({head}) has no in-tree transformers equivalent. Closest family: {closest}, blocked "
+            f"by: {'; '.join(found)}. Other families: {others}."
+        )
+    family = FAMILIES[name]
+    kwargs = family.config_to_hf(config, head)
+    kwargs.update({field_name: getattr(config, field_name) for field_name in CARRIED_FIELDS})
+    hf_config = family.config_class(**kwargs)
+
+    rules = family.rules(head)
+    converted = {}
+    for key, value in model.state_dict().items():
+        renamed = _rename(key, rules, to_hf=True)
+        if renamed is None:
+            raise ValueError(f"to_hf: no {name} counterpart for hf_tfm weight `{key}`.")
+        hf_key, transpose = renamed
+        converted[hf_key] = value.t() if transpose else value
+    if family.fuse_state is not None:
+        converted = family.fuse_state(converted)
+    for alias, original in family.hf_aliases.items():
+        if original in converted:
+            converted[alias] = converted[original]
+    return _build(family.classes[head], hf_config, model, {k: v.detach().clone() for k, v in converted.items()})
+
+
+def convert_path(src: str | Path, dst: str | Path) -> PreTrainedModel:
+    """Convert a saved folder: hf_tfm -> in-tree if its `model_type` is "hf_tfm", else in-tree -> hf_tfm.
+
+    Writes safetensors and the config (and generation config) to `dst`, and copies the other files of `src`
+    (tokenizer and the like) unchanged. Returns the converted model.
+    """
+    src, dst = Path(src), Path(dst)
+    config = TfmConfig.get_config_dict(src)[0]
+    converted = to_hf(src) if config.get("model_type") == TfmConfig.model_type else from_hf(src)
+    dst.mkdir(parents=True, exist_ok=True)
+    converted.save_pretrained(dst, safe_serialization=True)
+    skip = re.compile(r"config\.json|generation_config\.json|.*\.safetensors(\.index\.json)?|pytorch_model.*|.*\.py")
+    for file in src.iterdir() if src.is_dir() else ():  # a Hub id has no local files to carry
+        if file.is_file() and not skip.fullmatch(file.name) and not (dst / file.name).exists():
+            shutil.copy2(file, dst / file.name)
+    return converted
+
+
+__all__ = ["convert_path", "export_blockers", "from_hf", "to_hf"]
