@@ -790,7 +790,37 @@ class TfmModel(TfmPreTrainedModel):
         return biases
 
 
-class TfmForCausalLM(TfmPreTrainedModel, GenerationMixin):
+class TfmHeadModel(TfmPreTrainedModel):
+    """What every task head shares: the backbone under `model` (built without a pooler: heads pool for themselves)."""
+
+    def __init__(self, config: TfmConfig) -> None:
+        super().__init__(config)
+        self.model = TfmModel(config, add_pooling_layer=False)
+
+    def backbone(
+        self,
+        input_ids: torch.LongTensor | None,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.LongTensor | None,
+        inputs_embeds: torch.Tensor | None,
+        token_type_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        use_cache: bool | None = False,  # only the causal LM decodes; the other heads build no cache unless asked
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        return self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            token_type_ids=token_type_ids,
+            use_cache=use_cache,
+            **kwargs,
+        )
+
+
+class TfmForCausalLM(TfmHeadModel, GenerationMixin):
     """Decoder language model: the backbone plus `lm_head` (tied to `embed_tokens` when `tie_word_embeddings`)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -802,7 +832,6 @@ class TfmForCausalLM(TfmPreTrainedModel, GenerationMixin):
         super().__init__(config)
         if not config.is_causal:
             logger.warning("TfmForCausalLM built with `is_causal=False`: every token will see the future.")
-        self.model = TfmModel(config, add_pooling_layer=False)  # the head pools for itself
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
         self.post_init()
 
@@ -826,14 +855,8 @@ class TfmForCausalLM(TfmPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            **kwargs,
+        outputs = self.backbone(
+            input_ids, attention_mask, position_ids, inputs_embeds, cache=cache, use_cache=use_cache, **kwargs
         )
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
         loss = None
@@ -863,13 +886,12 @@ def pool(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, how: 
     return hidden_states[torch.arange(hidden_states.shape[0], device=hidden_states.device), last]
 
 
-class TfmForSequenceClassification(TfmPreTrainedModel):
+class TfmForSequenceClassification(TfmHeadModel):
     """Sequence classifier / regressor: pooled backbone output -> [dense, act, norm] -> dropout -> `score`."""
 
     def __init__(self, config: TfmConfig) -> None:
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.model = TfmModel(config, add_pooling_layer=False)  # the head pools for itself
         dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout
         # Optional dense -> `classifier_activation` (-> norm) on the pooled vector: BERT's pooler, ModernBERT's head.
         self.head = None
@@ -893,15 +915,8 @@ class TfmForSequenceClassification(TfmPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> SequenceClassifierOutput:
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            token_type_ids=token_type_ids,
-            use_cache=bool(use_cache),  # a classifier decodes nothing: no cache unless asked
-            **kwargs,
+        outputs = self.backbone(
+            input_ids, attention_mask, position_ids, inputs_embeds, token_type_ids, cache, bool(use_cache), **kwargs
         )
         pad_mask = None
         if attention_mask is None and input_ids is not None and self.config.pad_token_id is not None:
@@ -919,13 +934,12 @@ class TfmForSequenceClassification(TfmPreTrainedModel):
         )
 
 
-class TfmForTokenClassification(TfmPreTrainedModel):
+class TfmForTokenClassification(TfmHeadModel):
     """Per-token classifier (NER, tagging): backbone -> dropout -> `score`."""
 
     def __init__(self, config: TfmConfig) -> None:
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.model = TfmModel(config, add_pooling_layer=False)  # the head pools for itself
         dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout
         self.dropout = nn.Dropout(dropout)
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=config.classifier_bias)
@@ -943,15 +957,7 @@ class TfmForTokenClassification(TfmPreTrainedModel):
         use_cache: bool | None = None,  # accepted (pipelines and Trainer pass it) and ignored: this head never caches
         **kwargs: Unpack[TransformersKwargs],
     ) -> TokenClassifierOutput:
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            token_type_ids=token_type_ids,
-            use_cache=False,
-            **kwargs,
-        )
+        outputs = self.backbone(input_ids, attention_mask, position_ids, inputs_embeds, token_type_ids, **kwargs)
         logits = self.score(self.dropout(outputs.last_hidden_state))
         loss = None
         if labels is not None:
@@ -961,12 +967,11 @@ class TfmForTokenClassification(TfmPreTrainedModel):
         )
 
 
-class TfmForQuestionAnswering(TfmPreTrainedModel):
+class TfmForQuestionAnswering(TfmHeadModel):
     """Extractive question answering: backbone -> `qa_outputs` -> per-token start and end logits of the answer span."""
 
     def __init__(self, config: TfmConfig) -> None:
         super().__init__(config)
-        self.model = TfmModel(config, add_pooling_layer=False)  # the head pools for itself
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.post_init()
 
@@ -983,15 +988,7 @@ class TfmForQuestionAnswering(TfmPreTrainedModel):
         use_cache: bool | None = None,  # accepted (pipelines and Trainer pass it) and ignored: this head never caches
         **kwargs: Unpack[TransformersKwargs],
     ) -> QuestionAnsweringModelOutput:
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            token_type_ids=token_type_ids,
-            use_cache=False,
-            **kwargs,
-        )
+        outputs = self.backbone(input_ids, attention_mask, position_ids, inputs_embeds, token_type_ids, **kwargs)
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).unbind(dim=-1)  # (B, T) each
         start_logits, end_logits = start_logits.contiguous(), end_logits.contiguous()
         loss = None
@@ -1021,7 +1018,7 @@ class TfmPredictionHead(nn.Module):
         return self.norm(self.act(self.dense(hidden_states)))
 
 
-class TfmForMaskedLM(TfmPreTrainedModel):
+class TfmForMaskedLM(TfmHeadModel):
     """Masked language model: backbone -> prediction head -> `lm_head` (tied to `embed_tokens`, with a bias)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -1031,7 +1028,6 @@ class TfmForMaskedLM(TfmPreTrainedModel):
         super().__init__(config)
         if config.is_causal:
             logger.warning("TfmForMaskedLM built with `is_causal=True`: masked tokens cannot see their right context.")
-        self.model = TfmModel(config, add_pooling_layer=False)  # the head pools for itself
         self.head = TfmPredictionHead(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
         self.post_init()
@@ -1054,15 +1050,7 @@ class TfmForMaskedLM(TfmPreTrainedModel):
         use_cache: bool | None = None,  # accepted (pipelines and Trainer pass it) and ignored: this head never caches
         **kwargs: Unpack[TransformersKwargs],
     ) -> MaskedLMOutput:
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            token_type_ids=token_type_ids,
-            use_cache=False,
-            **kwargs,
-        )
+        outputs = self.backbone(input_ids, attention_mask, position_ids, inputs_embeds, token_type_ids, **kwargs)
         logits = self.lm_head(self.head(outputs.last_hidden_state))
         loss = None
         if labels is not None:
