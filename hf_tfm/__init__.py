@@ -10,23 +10,26 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
     AutoModelForQuestionAnswering,
+    AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
 )
 
-from .configuration import TfmConfig
+from .configuration import TfmConfig, TfmSeq2SeqConfig
 
 # Imported eagerly, unlike `convert` below: it needs nothing beyond `modeling`, and the function shares its module's
 # name, so a lazy `__getattr__` would lose to the submodule (`import hf_tfm.from_torch` sets `hf_tfm.from_torch`).
 from .from_torch import from_torch
 from .modeling import (
     TfmForCausalLM,
+    TfmForConditionalGeneration,
     TfmForMaskedLM,
     TfmForQuestionAnswering,
     TfmForSequenceClassification,
     TfmForTokenClassification,
     TfmModel,
     TfmPreTrainedModel,
+    TfmSeq2SeqModel,
 )
 
 __version__ = "0.1.0"
@@ -39,14 +42,19 @@ AUTO_CLASSES = {
     "AutoModelForTokenClassification": (AutoModelForTokenClassification, TfmForTokenClassification),
     "AutoModelForQuestionAnswering": (AutoModelForQuestionAnswering, TfmForQuestionAnswering),
 }
+SEQ2SEQ_AUTO_CLASSES = {
+    "AutoModel": (AutoModel, TfmSeq2SeqModel),
+    "AutoModelForSeq2SeqLM": (AutoModelForSeq2SeqLM, TfmForConditionalGeneration),
+}
 
 
 def _register() -> None:
-    AutoConfig.register(TfmConfig.model_type, TfmConfig, exist_ok=True)
-    TfmConfig.register_for_auto_class()
-    for auto_name, (auto_class, model_class) in AUTO_CLASSES.items():
-        auto_class.register(TfmConfig, model_class, exist_ok=True)
-        model_class.register_for_auto_class(auto_name)
+    for config_class, classes in ((TfmConfig, AUTO_CLASSES), (TfmSeq2SeqConfig, SEQ2SEQ_AUTO_CLASSES)):
+        AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+        config_class.register_for_auto_class()
+        for auto_name, (auto_class, model_class) in classes.items():
+            auto_class.register(config_class, model_class, exist_ok=True)
+            model_class.register_for_auto_class(auto_name)
 
 
 _register()
@@ -66,12 +74,15 @@ def __getattr__(name: str):
 __all__ = [
     "TfmConfig",
     "TfmForCausalLM",
+    "TfmForConditionalGeneration",
     "TfmForMaskedLM",
     "TfmForQuestionAnswering",
     "TfmForSequenceClassification",
     "TfmForTokenClassification",
     "TfmModel",
     "TfmPreTrainedModel",
+    "TfmSeq2SeqConfig",
+    "TfmSeq2SeqModel",
     "convert_path",
     "export_blockers",
     "from_hf",

@@ -4,6 +4,7 @@ Each architectural axis is one `Literal` field, so an invalid variant cannot be 
 sense fail at construction with a `ValueError` that names the knob. This file imports no torch, as HF configs don't.
 """
 
+import dataclasses
 import difflib
 import functools
 from typing import Literal
@@ -48,6 +49,10 @@ class TfmConfig(PreTrainedConfig):
         "layers.*.self_attn.k_proj": "colwise",
         "layers.*.self_attn.v_proj": "colwise",
         "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.encoder_attn.q_proj": "colwise",  # a seq2seq decoder's cross-attention
+        "layers.*.encoder_attn.k_proj": "colwise",
+        "layers.*.encoder_attn.v_proj": "colwise",
+        "layers.*.encoder_attn.o_proj": "rowwise",
         "layers.*.mlp.gate_proj": "colwise",
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
@@ -77,6 +82,12 @@ class TfmConfig(PreTrainedConfig):
     # ... or nested, one such dict per layer type ({"full_attention": {...}, "sliding_attention": {...}}): each layer
     # type gets its own RoPE (ModernBERT: theta 160k on full layers, 10k on sliding ones). See `rope_per_layer_type`.
     type_vocab_size: int = 0  # > 0 adds BERT-style token type (segment) embeddings
+    # Learned positions only: looked up at position + offset, so the table has max_position_embeddings + offset rows
+    # (BART and mBART keep two unused rows in front, a fairseq legacy).
+    position_offset: int = 0
+    # Token embeddings are multiplied by this (Marian, T5-style sqrt(hidden_size)); `inputs_embeds` are scaled too, so
+    # `inputs_embeds=model.get_input_embeddings()(ids)` equals passing the ids.
+    embedding_scale: float = 1.0
 
     # --- normalisation
     norm_type: Literal["layernorm", "rmsnorm"] = "rmsnorm"  # RMSNorm: arXiv:1910.07467
@@ -106,6 +117,9 @@ class TfmConfig(PreTrainedConfig):
     layer_types: list[str] | None = None  # per layer "full_attention" / "sliding_attention"; None: all one kind
     qk_norm: bool = False  # per-head norm of queries and keys before RoPE (OLMo2/Qwen3 style stabiliser)
     parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)), as GPT-J/NeoX/PaLM
+    # A decoder that also attends to an encoder's output: each block gets `encoder_attn` (+ its norm) between the
+    # self-attention and the FFN. `TfmSeq2SeqConfig` sets it on its decoder; BERT's knob of the same name.
+    add_cross_attention: bool = False
 
     # --- heads and embeddings
     tie_word_embeddings: bool = True
@@ -210,6 +224,17 @@ class TfmConfig(PreTrainedConfig):
                 f"`sinusoidal_layout={self.sinusoidal_layout!r}` needs `position_embedding_type='sinusoidal'` "
                 f"(got {self.position_embedding_type!r}); it chooses the layout of the sinusoidal table only."
             )
+        if self.position_offset < 0 or (self.position_offset and self.position_embedding_type != "learned"):
+            raise ValueError(
+                f"`position_offset`={self.position_offset} needs `position_embedding_type='learned'` and must be >= 0 "
+                "(it shifts the learned table's lookup)."
+            )
+        if not self.embedding_scale > 0:
+            raise ValueError(f"`embedding_scale` must be positive, got {self.embedding_scale}.")
+        if self.add_cross_attention and not self.is_causal:
+            raise ValueError("`add_cross_attention=True` needs `is_causal=True` (cross-attention is a decoder's).")
+        if self.add_cross_attention and self.parallel_residual:
+            raise ValueError("`add_cross_attention` cannot combine with `parallel_residual` (no parallel form).")
         if self.type_vocab_size < 0:
             raise ValueError(f"`type_vocab_size` must be >= 0, got {self.type_vocab_size}.")
         for name in ("attention_dropout", "hidden_dropout", "classifier_dropout"):
@@ -323,6 +348,113 @@ def upgrade_saved_config(config_dict: dict) -> dict:
     return config_dict
 
 
+@strict
+class TfmSeq2SeqConfig(PreTrainedConfig):
+    r"""Configuration of an hf_tfm encoder-decoder ("Attention Is All You Need", BART, Marian): two `TfmConfig`s.
+
+    `encoder` and `decoder` are full `TfmConfig`s (or their dicts), so every knob works on either side and the sides
+    may differ (depth, heads, GQA, FFN, positions, ...); they must share `hidden_size`, which cross-attention reads.
+    The encoder is bidirectional and the decoder causal with cross-attention: dicts get `is_causal` and
+    `add_cross_attention` filled in, `TfmConfig` objects must already have them. `decoder=None` mirrors the encoder.
+
+    ```python
+    common = dict(hidden_size=256, num_attention_heads=4, position_embedding_type="sinusoidal")
+    config = TfmSeq2SeqConfig(encoder={**common, "num_hidden_layers": 6}, decoder={**common, "num_hidden_layers": 3})
+    ```
+    """
+
+    model_type = "hf_tfm_seq2seq"
+    sub_configs = {"encoder": TfmConfig, "decoder": TfmConfig}
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
+
+    encoder: TfmConfig | dict | None = None  # None: TfmConfig's defaults, bidirectional
+    decoder: TfmConfig | dict | None = None  # None: the encoder's knobs, causal, with cross-attention
+    share_encoder_decoder_embeddings: bool = (
+        True  # one token table for both sides (BART, Marian); needs one vocabulary
+    )
+    tie_word_embeddings: bool = True  # `lm_head` shares the decoder's token embeddings
+    is_encoder_decoder: bool = True
+    decoder_start_token_id: int | None = None  # the first decoder token; None: the decoder's `bos_token_id`
+    pad_token_id: int | None = None  # None: the decoder's (as the three below)
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self, **kwargs):
+        self.encoder = _side_config(self.encoder, "encoder", decoder=False)
+        if self.decoder is None:
+            self.decoder = _mirror_as_decoder(self.encoder)
+        self.decoder = _side_config(self.decoder, "decoder", decoder=True)
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            if getattr(self, name) is None:
+                setattr(self, name, getattr(self.decoder, name))
+        if self.decoder_start_token_id is None:
+            self.decoder_start_token_id = self.decoder.bos_token_id
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        """Raise a `ValueError` naming the knob when the two sides do not fit together."""
+        if self.encoder.hidden_size != self.decoder.hidden_size:
+            raise ValueError(
+                f"`encoder.hidden_size` ({self.encoder.hidden_size}) and `decoder.hidden_size` "
+                f"({self.decoder.hidden_size}) must be equal: cross-attention reads the encoder's output."
+            )
+        if self.share_encoder_decoder_embeddings and self.encoder.vocab_size != self.decoder.vocab_size:
+            raise ValueError(
+                f"`share_encoder_decoder_embeddings=True` needs one vocabulary, got `encoder.vocab_size`="
+                f"{self.encoder.vocab_size} and `decoder.vocab_size`={self.decoder.vocab_size}."
+            )
+        start = self.decoder_start_token_id
+        if start is not None and not 0 <= start < self.decoder.vocab_size:
+            raise ValueError(
+                f"`decoder_start_token_id`={start} is outside the decoder's vocabulary [0, {self.decoder.vocab_size})."
+            )
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs) -> "TfmSeq2SeqConfig":
+        """`PreTrainedConfig.from_dict`; refuses keys that neither this config nor a side's `TfmConfig` reads."""
+        cls._refuse_unknown_keys(config_dict, "config.json")
+        return super().from_dict(config_dict, **kwargs)
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict, dict]:
+        """transformers' config reader; a config.json with a key hf_tfm does not read is refused."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        cls._refuse_unknown_keys(config_dict, f"{pretrained_model_name_or_path}/config.json")
+        return config_dict, kwargs
+
+    @classmethod
+    def _refuse_unknown_keys(cls, config_dict: dict, where: str) -> None:
+        if config_dict.get("model_type", cls.model_type) != cls.model_type:
+            return
+        known = set(cls().to_dict()) | set(PreTrainedConfig().to_dict()) | EXTRA_CONFIG_KEYS
+        unknown = sorted(k for k in set(config_dict) - known if not k.startswith("_") and not k.endswith("_token_id"))
+        if unknown:
+            raise ValueError(f"{where} has unknown key(s) {', '.join(f'`{k}`' for k in unknown)}: fix them.")
+        for side in ("encoder", "decoder"):
+            if isinstance(config_dict.get(side), dict):
+                TfmConfig._refuse_unknown_keys(config_dict[side], f"{where} (`{side}`)")
+
+
+def _side_config(value: TfmConfig | dict | None, name: str, decoder: bool) -> TfmConfig:
+    """One side of a seq2seq config: a dict gets the side's `is_causal` / `add_cross_attention`; either way they must
+    be the side's (an encoder that cannot see all the source, or a decoder without cross-attention, is not seq2seq)."""
+    if not isinstance(value, TfmConfig):
+        fields = dict(value or {})
+        fields.setdefault("is_causal", decoder)
+        fields.setdefault("add_cross_attention", decoder)
+        value = TfmConfig(**fields)
+    for knob in ("is_causal", "add_cross_attention"):
+        if getattr(value, knob) != decoder:
+            raise ValueError(f"`{name}.{knob}` must be {decoder} in a TfmSeq2SeqConfig, got {getattr(value, knob)}.")
+    return value
+
+
+def _mirror_as_decoder(encoder: TfmConfig) -> dict:
+    """The encoder's knobs as a decoder's: causal, with cross-attention, and the pooling re-derived for a decoder."""
+    fields = {f.name: getattr(encoder, f.name) for f in dataclasses.fields(TfmConfig) if f.name in TfmConfig.__dict__}
+    return {**fields, "is_causal": True, "add_cross_attention": True, "classifier_pooling": None}
+
+
 def _raise_value_errors(init):
     """Re-raise `@strict`'s field and class validation errors as the `ValueError` users catch for bad configs."""
 
@@ -331,11 +463,12 @@ def _raise_value_errors(init):
         try:
             init(self, *args, **kwargs)
         except StrictDataclassError as err:
-            raise ValueError(f"Invalid TfmConfig: {err}") from err
+            raise ValueError(f"Invalid {type(self).__name__}: {err}") from err
 
     return wrapper
 
 
 TfmConfig.__init__ = _raise_value_errors(TfmConfig.__init__)
+TfmSeq2SeqConfig.__init__ = _raise_value_errors(TfmSeq2SeqConfig.__init__)
 
-__all__ = ["TfmConfig", "upgrade_saved_config"]
+__all__ = ["TfmConfig", "TfmSeq2SeqConfig", "upgrade_saved_config"]

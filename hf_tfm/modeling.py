@@ -20,7 +20,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache, StaticLayer
 from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.integrations.sdpa_attention import repeat_kv  # (B, H_kv, S, D) -> (B, H, S, D) for GQA
@@ -34,22 +34,27 @@ from transformers.masking_utils import (
 )
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
+    BaseModelOutput,
     BaseModelOutputWithPast,
+    BaseModelOutputWithPastAndCrossAttentions,
     BaseModelOutputWithPoolingAndCrossAttentions,
     CausalLMOutputWithPast,
     MaskedLMOutput,
     QuestionAnsweringModelOutput,
+    Seq2SeqLMOutput,
+    Seq2SeqModelOutput,
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.bart.modeling_bart import shift_tokens_right
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
-from transformers.utils.output_capturing import capture_outputs
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration import TfmConfig
+from .configuration import TfmConfig, TfmSeq2SeqConfig
 
 logger = logging.get_logger(__name__)
 
@@ -291,9 +296,13 @@ def eager_attention_forward(
 
 
 class TfmAttention(nn.Module):
-    """Multi-head / grouped-query self-attention; the kernel comes from transformers' attention interface."""
+    """Multi-head / grouped-query attention; the kernel comes from transformers' attention interface.
 
-    def __init__(self, config: TfmConfig, layer_idx: int) -> None:
+    Self-attention, or (`is_cross_attention`) a decoder's attention over the encoder output: keys and values come from
+    the encoder's states, get no positions, and are computed once per source and kept in the cross-attention cache.
+    """
+
+    def __init__(self, config: TfmConfig, layer_idx: int, is_cross_attention: bool = False) -> None:
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
@@ -301,8 +310,9 @@ class TfmAttention(nn.Module):
         self.num_key_value_groups = config.num_kv_groups
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
-        self.is_causal = config.is_causal  # sdpa reads it when the mask is None
-        sliding = config.layer_types[layer_idx] == "sliding_attention"
+        self.is_cross_attention = is_cross_attention
+        self.is_causal = config.is_causal and not is_cross_attention  # sdpa / flash read it when the mask is None
+        sliding = config.layer_types[layer_idx] == "sliding_attention" and not is_cross_attention
         # Flash kernels read this as (window - 1) tokens either side: a decoder's self + (window - 1) previous tokens,
         # so an encoder (+-window tokens, as its mask) passes window + 1.
         self.sliding_window = (config.sliding_window + (not config.is_causal)) if sliding else None
@@ -323,12 +333,17 @@ class TfmAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         position_bias: torch.Tensor | None = None,
         cache: Cache | None = None,
+        key_value_states: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)  # -1 heads: tensor parallelism shards the head count
 
         query = self.q_proj(hidden_states).view(hidden_shape)
+        if self.is_cross_attention:  # no positions: a source token's keys are the same for every target token
+            query = self.q_norm(query) if self.qk_norm else query
+            key, value = self._cross_key_value(key_value_states, cache)
+            return self._attend(query.transpose(1, 2), key, value, attention_mask, input_shape, **kwargs)
         key = self.k_proj(hidden_states).view(hidden_shape)
         if self.qk_norm:  # no Identity module calls when off (per-token decode overhead)
             query, key = self.q_norm(query), self.k_norm(key)
@@ -344,12 +359,39 @@ class TfmAttention(nn.Module):
                 kwargs["cache"] = cache  # the paged kernels of these releases write and read the cache themselves
         elif cache is not None:
             key, value = cache.update(key, value, self.layer_idx)  # (B, H_kv, S, D) with S = past + T
+        if position_bias is not None:
+            kwargs["position_bias"] = position_bias
+        return self._attend(query, key, value, attention_mask, input_shape, **kwargs)
 
+    def _cross_key_value(
+        self, states: torch.Tensor, cache: EncoderDecoderCache | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoder states' keys and values: projected at the first decoder step, then read back from the cache."""
+        if cache is not None and cache.is_updated.get(self.layer_idx):
+            layer = cache.cross_attention_cache.layers[self.layer_idx]
+            return layer.keys, layer.values
+        kv_shape = (*states.shape[:-1], -1, self.head_dim)
+        key = self.k_proj(states).view(kv_shape)
+        if self.qk_norm:
+            key = self.k_norm(key)
+        key, value = key.transpose(1, 2), self.v_proj(states).view(kv_shape).transpose(1, 2)  # (B, H_kv, S, D)
+        if cache is not None:
+            key, value = cache.cross_attention_cache.update(key, value, self.layer_idx)
+            cache.is_updated[self.layer_idx] = True
+        return key, value
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        input_shape: torch.Size,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        if position_bias is not None:
-            kwargs["position_bias"] = position_bias
         out, weights = attention_interface(
             self,
             query,
@@ -383,21 +425,34 @@ class TfmMLP(nn.Module):
 
 
 class TfmBlock(GradientCheckpointingLayer):
-    """One transformer layer. `norm_position` and `parallel_residual` choose the residual layout, here only."""
+    """One transformer layer. `norm_position` and `parallel_residual` choose the residual layout, here only.
+
+    With `add_cross_attention` (a seq2seq decoder) a cross-attention sub-layer over the encoder output sits between
+    the self-attention and the feed-forward, with its own norm, as in "Attention Is All You Need".
+    """
 
     def __init__(self, config: TfmConfig, layer_idx: int) -> None:
         super().__init__()
         self.norm_position = config.norm_position
         self.parallel_residual = config.parallel_residual
         self.self_attn = TfmAttention(config, layer_idx)
+        cross = config.add_cross_attention
+        self.encoder_attn = TfmAttention(config, layer_idx, is_cross_attention=True) if cross else None
         self.mlp = TfmMLP(config)
         # The norm of the attention sub-layer (before it, or after the residual); layer 0 may skip it (pre-norm only).
         self.attn_norm = make_norm(config) if layer_idx > 0 or config.first_layer_attn_norm else nn.Identity()
+        self.cross_attn_norm = make_norm(config) if cross else None
         self.mlp_norm = make_norm(config)  # the norm of the feed-forward sub-layer
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(
-        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,  # positional: gradient checkpointing passes args on
+        encoder_attention_mask: torch.Tensor | None = None,
+        cross_cache: EncoderDecoderCache | None = None,
+        **kwargs,
     ) -> torch.Tensor:
         x = hidden_states
         # Dropout is the identity in eval mode or at p=0: skip its module call (per-token decode overhead).
@@ -405,18 +460,41 @@ class TfmBlock(GradientCheckpointingLayer):
         attn, mlp = self.self_attn, self.mlp
         if self.parallel_residual:  # GPT-J / NeoX / PaLM: both sub-layers read the same input
             return x + drop(attn(self.attn_norm(x), attention_mask, **kwargs)[0]) + drop(mlp(self.mlp_norm(x)))
+
+        source = (encoder_hidden_states, encoder_attention_mask, cross_cache)
         if self.norm_position == "pre":
             x = x + drop(attn(self.attn_norm(x), attention_mask, **kwargs)[0])
+            if self.encoder_attn is not None:
+                x = x + drop(self.cross_attend(self.cross_attn_norm(x), *source))
             return x + drop(mlp(self.mlp_norm(x)))
         x = self.attn_norm(x + drop(attn(x, attention_mask, **kwargs)[0]))  # post-norm (original Transformer, BERT)
+        if self.encoder_attn is not None:
+            x = self.cross_attn_norm(x + drop(self.cross_attend(x, *source)))
         return self.mlp_norm(x + drop(mlp(x)))
+
+    def cross_attend(
+        self,
+        x: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_attention_mask: torch.Tensor | None,
+        cross_cache: EncoderDecoderCache | None,
+    ) -> torch.Tensor:
+        return self.encoder_attn(x, encoder_attention_mask, cache=cross_cache, key_value_states=encoder_hidden_states)[
+            0
+        ]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Models
 
 
-# Every checkpoint names all heads, so any Auto class can load it with remote code (a new head starts untrained).
+# Every checkpoint names all heads of its kind, so any Auto class can load it with remote code (a new head starts
+# untrained). Encoder-decoder checkpoints have their own config class and heads.
+SEQ2SEQ_AUTO_MAP = {
+    "AutoConfig": "configuration.TfmSeq2SeqConfig",
+    "AutoModel": "modeling.TfmSeq2SeqModel",
+    "AutoModelForSeq2SeqLM": "modeling.TfmForConditionalGeneration",
+}
 AUTO_MAP = {
     "AutoConfig": "configuration.TfmConfig",
     "AutoModel": "modeling.TfmModel",
@@ -442,7 +520,12 @@ class TfmPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_compile_fullgraph = True
-    _can_record_outputs = {"hidden_states": TfmBlock, "attentions": TfmAttention}
+    _auto_map = AUTO_MAP
+    _can_record_outputs = {
+        "hidden_states": TfmBlock,
+        "attentions": OutputRecorder(TfmAttention, index=1, layer_name="self_attn"),
+        "cross_attentions": OutputRecorder(TfmAttention, index=1, layer_name="encoder_attn"),
+    }
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
         """`PreTrainedModel.save_pretrained`, with an `auto_map` entry for every hf_tfm head.
@@ -451,12 +534,12 @@ class TfmPreTrainedModel(PreTrainedModel):
         (`FSDPTfmForCausalLM`); transformers then points `auto_map` at torch's `_fsdp_*.py` files, copies those and
         leaves ours out. The folder is repaired here, so every save carries hf_tfm's code and `auto_map`.
         """
-        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MAP}
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **self._auto_map}
         super().save_pretrained(save_directory, *args, **kwargs)
         is_main_process = args[0] if args else kwargs.get("is_main_process", True)
         if type(self).__module__.startswith("torch.") and self.should_save_on_this_rank(is_main_process):
             self._repair_remote_code(Path(save_directory))
-        self.config.auto_map = {**self.config.auto_map, **AUTO_MAP}
+        self.config.auto_map = {**self.config.auto_map, **self._auto_map}
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> "TfmPreTrainedModel":
@@ -535,7 +618,7 @@ class TfmPreTrainedModel(PreTrainedModel):
         config_file = folder / "config.json"
         if config_file.is_file():
             config = json.loads(config_file.read_text())
-            config["auto_map"] = {**config.get("auto_map", {}), **AUTO_MAP}
+            config["auto_map"] = {**config.get("auto_map", {}), **self._auto_map}
             config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     @torch.no_grad()
@@ -579,6 +662,18 @@ def _safetensors_problem(file: Path) -> str | None:
     return None
 
 
+def _full_length_cross_layers(cache: EncoderDecoderCache, source_length: int) -> None:
+    """Make the cross-attention cache keep every source token, before its first use.
+
+    `generate()` builds the cross-attention cache from the decoder's config, so a decoder with sliding-window layers
+    gets sliding cross-attention layers, which would keep only the last window - 1 encoder keys for the next steps.
+    """
+    layers = cache.cross_attention_cache.layers
+    for i, layer in enumerate(layers):
+        if layer.is_sliding and not cache.is_updated.get(i):
+            layers[i] = StaticLayer(max_cache_len=source_length) if isinstance(layer, StaticLayer) else DynamicLayer()
+
+
 def _check_ids(ids: torch.Tensor, limit: int, name: str, knob: str) -> None:
     """Out-of-range ids would index past an embedding table: say which, instead of an opaque IndexError."""
     if torch.compiler.is_compiling() or ids.numel() == 0:
@@ -600,7 +695,9 @@ class TfmModel(TfmPreTrainedModel):
         self.rotary_emb = None
         self.alibi = None
         if config.position_embedding_type == "learned":
-            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+            self.embed_positions = nn.Embedding(
+                config.max_position_embeddings + config.position_offset, config.hidden_size
+            )
         elif config.position_embedding_type == "sinusoidal":
             self.embed_positions = TfmSinusoidalEmbedding(config)
         elif config.position_embedding_type == "rope":
@@ -638,34 +735,49 @@ class TfmModel(TfmPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         token_type_ids: torch.LongTensor | None = None,
         use_cache: bool | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> BaseModelOutputWithPast:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+    ) -> BaseModelOutputWithPastAndCrossAttentions:
         config = self.config
+        # A seq2seq decoder's inputs are the caller's `decoder_*` arguments: errors name those.
+        arg = "decoder_" if config.add_cross_attention else ""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError(f"Pass exactly one of `{arg}input_ids` or `{arg}inputs_embeds`.")
+        if config.add_cross_attention and encoder_hidden_states is None:
+            raise ValueError(
+                "This decoder attends to an encoder (`add_cross_attention`): pass `encoder_hidden_states`."
+            )
         config._validate_attn_implementation(config._attn_implementation)
         if use_cache is None:  # an encoder has nothing to decode; training builds no cache (packing relies on it)
             use_cache = config.use_cache and config.is_causal and not self.training
         fresh_cache = use_cache and cache is None
         if fresh_cache:
             cache = DynamicCache(config=config)
+            if config.add_cross_attention:  # cross-attention keys span the whole source: no sliding layers there
+                cache = EncoderDecoderCache(cache, DynamicCache())
         paged = isinstance(cache, PagedAttentionCache)  # continuous batching: positions and masks come prepared
-        if paged and (self.alibi is not None or not config.is_causal):
-            knob = "position_embedding_type='alibi'" if config.is_causal else "is_causal=False"
+        if paged and (self.alibi is not None or not config.is_causal or config.add_cross_attention):
+            knob = {self.alibi is not None: "position_embedding_type='alibi'", not config.is_causal: "is_causal=False"}
             raise ValueError(
-                f"`{knob}` cannot run under continuous batching: its paged attention is causal and takes no position "
-                "bias. Use generate(), or a causal rope/learned/sinusoidal model."
+                f"`{knob.get(True, 'add_cross_attention=True')}` cannot run under continuous batching: its paged "
+                "attention is causal self-attention with no position bias. Use generate(), or a causal "
+                "rope/learned/sinusoidal decoder-only model."
             )
-        past_length = cache.get_seq_length() if cache is not None and not paged else 0
+        self_cache = cache  # what self-attention, positions and masks read: the decoder's own tokens
+        if isinstance(cache, EncoderDecoderCache):
+            self_cache = cache.self_attention_cache
+            _full_length_cross_layers(cache, encoder_hidden_states.shape[1])
+        past_length = self_cache.get_seq_length() if self_cache is not None and not paged else 0
 
         if input_ids is not None:
-            _check_ids(input_ids, self.config.vocab_size, "input_ids", "vocab_size")
+            _check_ids(input_ids, config.vocab_size, f"{arg}input_ids", "vocab_size")
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, seq_length = inputs_embeds.shape[:2]
         if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2:
             if attention_mask.shape != (batch_size, past_length + seq_length):
                 raise ValueError(
-                    f"`attention_mask` has shape {tuple(attention_mask.shape)} but the inputs need "
+                    f"`{arg}attention_mask` has shape {tuple(attention_mask.shape)} but the inputs need "
                     f"({batch_size}, {past_length + seq_length}): (batch, cached + new tokens)."
                 )
             if position_ids is None:  # count real tokens only, so left padding does not shift positions
@@ -673,7 +785,7 @@ class TfmModel(TfmPreTrainedModel):
         if position_ids is None:
             position_ids = torch.arange(past_length, past_length + seq_length, device=inputs_embeds.device)[None]
 
-        hidden_states = inputs_embeds
+        hidden_states = inputs_embeds * config.embedding_scale if config.embedding_scale != 1.0 else inputs_embeds
         if self.embed_positions is not None:
             hidden_states = hidden_states + self._absolute_positions(position_ids, inputs_embeds.dtype)
         if self.token_type_embeddings is not None:
@@ -689,23 +801,29 @@ class TfmModel(TfmPreTrainedModel):
         masks = attention_mask
         if not isinstance(masks, dict):  # generate() may pass masks already built per layer type
             # An empty cache we just made adds no offset; leaving it out lets the masks see packed position_ids.
-            masks = self._build_masks(inputs_embeds, attention_mask, None if fresh_cache else cache, position_ids)
+            masks = self._build_masks(inputs_embeds, attention_mask, None if fresh_cache else self_cache, position_ids)
         position_embeddings = self._rotary(hidden_states, position_ids)
-        biases = self._alibi_biases(inputs_embeds, cache) if self.alibi is not None else {}
+        biases = self._alibi_biases(inputs_embeds, self_cache) if self.alibi is not None else {}
+        cross_mask = None
+        if config.add_cross_attention:
+            cross_mask = self._cross_mask(inputs_embeds, encoder_hidden_states, encoder_attention_mask)
 
         for layer, layer_type in zip(self.layers, config.layer_types, strict=True):
             hidden_states = layer(
                 hidden_states,
                 masks[layer_type],
+                encoder_hidden_states,
+                encoder_attention_mask=cross_mask,
+                cross_cache=cache if config.add_cross_attention else None,
                 position_embeddings=position_embeddings.get(layer_type),
                 position_bias=biases.get(layer_type),
-                cache=cache,
+                cache=self_cache,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
         cache_out = {CACHE_NAME: cache if use_cache else None}
         if self.pooler is None:
-            return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_out)
+            return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states, **cache_out)
         mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 else None
         pad_mask = None
         if mask is None and input_ids is not None and config.pad_token_id is not None:
@@ -729,13 +847,31 @@ class TfmModel(TfmPreTrainedModel):
         if isinstance(self.embed_positions, nn.Embedding) and not torch.compiler.is_compiling():
             limit = self.config.max_position_embeddings
             if int(position_ids.max()) >= limit:
+                side = "the decoder's " if self.config.add_cross_attention else ""
                 raise ValueError(
-                    f"Position {int(position_ids.max())} is out of range for learned positions: "
+                    f"Position {int(position_ids.max())} is out of range for {side}learned positions: "
                     f"max_position_embeddings={limit}. Shorten the input or use rope/alibi/sinusoidal positions."
                 )
         if isinstance(self.embed_positions, nn.Embedding):
-            return self.embed_positions(position_ids)
+            return self.embed_positions(position_ids + self.config.position_offset)
         return self.embed_positions(position_ids, dtype)
+
+    def _cross_mask(
+        self, inputs_embeds: torch.Tensor, encoder_hidden_states: torch.Tensor, encoder_attention_mask: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Every target token sees every real source token: the encoder's padding mask, as transformers builds it."""
+        mask = encoder_attention_mask
+        if isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.shape != encoder_hidden_states.shape[:2]:
+            raise ValueError(
+                f"The source's `attention_mask` has shape {tuple(encoder_attention_mask.shape)} but the encoder "
+                f"output is {tuple(encoder_hidden_states.shape[:2])}: (batch, source tokens)."
+            )
+        return create_bidirectional_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=encoder_attention_mask,
+            encoder_hidden_states=encoder_hidden_states,
+        )
 
     def _build_masks(
         self,
@@ -807,7 +943,7 @@ class TfmHeadModel(TfmPreTrainedModel):
         cache: Cache | None = None,
         use_cache: bool | None = False,  # only the causal LM decodes; the other heads build no cache unless asked
         **kwargs: Unpack[TransformersKwargs],
-    ) -> BaseModelOutputWithPast:
+    ) -> BaseModelOutputWithPastAndCrossAttentions:
         return self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1060,12 +1196,196 @@ class TfmForMaskedLM(TfmHeadModel):
         )
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Encoder-decoder: two TfmModel stacks, the decoder's with cross-attention (`TfmSeq2SeqConfig.encoder` / `.decoder`).
+
+
+class TfmSeq2SeqPreTrainedModel(TfmPreTrainedModel):
+    """What the encoder-decoder classes share: the config class, the embedding ties, the remote-code entries.
+
+    The encoder and decoder are `TfmModel`s, which initialise their own weights from their own side's config.
+    """
+
+    config: TfmSeq2SeqConfig
+    config_class = TfmSeq2SeqConfig
+    _auto_map = SEQ2SEQ_AUTO_MAP
+    _can_record_outputs = {}  # the encoder and decoder record their own layers
+
+    @property
+    def _tied_weights_keys(self) -> dict[str, str]:
+        """Targets tied to sources, from the config: decoder tokens to encoder tokens (`share_...`), the LM head to
+        the decoder's tokens (`tie_word_embeddings`), always to the table that is actually stored."""
+        config, ties = self.config, {}
+        prefix = "model." if self.base_model is not self else ""
+        encoder_tokens, decoder_tokens = f"{prefix}encoder.embed_tokens.weight", f"{prefix}decoder.embed_tokens.weight"
+        if config.share_encoder_decoder_embeddings and not prefix:
+            ties[decoder_tokens] = encoder_tokens
+        if config.tie_word_embeddings and prefix:
+            ties["lm_head.weight"] = encoder_tokens if config.share_encoder_decoder_embeddings else decoder_tokens
+        return ties
+
+    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
+        """transformers reads ties only when `config.tie_word_embeddings`; the shared encoder/decoder table is tied
+        by `share_encoder_decoder_embeddings` alone, so this model's own ties come from `_tied_weights_keys`."""
+        if all_submodels:
+            return super().get_expanded_tied_weights_keys(all_submodels=True)
+        return dict(self._tied_weights_keys)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        PreTrainedModel._init_weights(self, module)  # only the head: each side's TfmModel initialises itself
+
+
+class TfmSeq2SeqModel(TfmSeq2SeqPreTrainedModel):
+    """The encoder-decoder backbone: `encoder` reads the source, `decoder` the target so far (and the source)."""
+
+    def __init__(self, config: TfmSeq2SeqConfig) -> None:
+        super().__init__(config)
+        self.encoder = TfmModel(config.encoder, add_pooling_layer=False)
+        self.decoder = TfmModel(config.decoder, add_pooling_layer=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.encoder.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.encoder.embed_tokens = value
+        if self.config.share_encoder_decoder_embeddings:
+            self.decoder.embed_tokens = value
+
+    @accepts_cache_alias
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> Seq2SeqModelOutput:
+        if decoder_input_ids is None and decoder_inputs_embeds is None:
+            raise ValueError(
+                "Pass `decoder_input_ids` or `decoder_inputs_embeds` (or `labels` to a TfmForConditionalGeneration, "
+                "which shifts them right into decoder inputs)."
+            )
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(
+                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs
+            )
+        elif not isinstance(encoder_outputs, BaseModelOutput):  # a tuple: (last_hidden_state, [hidden_states, ...])
+            encoder_outputs = BaseModelOutput(*encoder_outputs[:3])
+        decoder_outputs = self.decoder(
+            input_ids=decoder_input_ids,
+            attention_mask=decoder_attention_mask,
+            inputs_embeds=decoder_inputs_embeds,
+            encoder_hidden_states=encoder_outputs.last_hidden_state,
+            encoder_attention_mask=attention_mask,
+            cache=cache,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        return Seq2SeqModelOutput(
+            last_hidden_state=decoder_outputs.last_hidden_state,
+            **{CACHE_NAME: getattr(decoder_outputs, CACHE_NAME)},
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
+        )
+
+
+class TfmForConditionalGeneration(TfmSeq2SeqPreTrainedModel, GenerationMixin):
+    """Sequence-to-sequence LM (translation, summarisation, any text-to-text task): the backbone plus `lm_head`."""
+
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+
+    def __init__(self, config: TfmSeq2SeqConfig) -> None:
+        super().__init__(config)
+        self.model = TfmSeq2SeqModel(config)
+        decoder = config.decoder
+        self.lm_head = nn.Linear(decoder.hidden_size, decoder.vocab_size, bias=decoder.lm_head_bias)
+        # The logits are aligned with `labels` already (the decoder inputs are the shifted ones): a masked-LM loss,
+        # which does not shift again and normalises by `num_items_in_batch` under gradient accumulation.
+        self.loss_type = "ForMaskedLM"
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Decoder inputs for teacher forcing: `labels` shifted right behind `decoder_start_token_id` (-100 -> pad)."""
+        if self.config.pad_token_id is None or self.config.decoder_start_token_id is None:
+            raise ValueError(
+                "Building decoder inputs from `labels` needs `pad_token_id` and `decoder_start_token_id`."
+            )
+        return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+
+    @accepts_cache_alias
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> Seq2SeqLMOutput:
+        if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
+            decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask,
+            encoder_outputs=encoder_outputs,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            decoder_inputs_embeds=decoder_inputs_embeds,
+            use_cache=use_cache if labels is None else False,  # teacher forcing decodes nothing
+            **kwargs,
+        )
+        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, vocab_size=self.config.decoder.vocab_size, **kwargs)
+        return Seq2SeqLMOutput(
+            loss=loss,
+            logits=logits,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
+            decoder_hidden_states=outputs.decoder_hidden_states,
+            decoder_attentions=outputs.decoder_attentions,
+            cross_attentions=outputs.cross_attentions,
+            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
+            encoder_hidden_states=outputs.encoder_hidden_states,
+            encoder_attentions=outputs.encoder_attentions,
+        )
+
+
 __all__ = [
     "TfmForCausalLM",
+    "TfmForConditionalGeneration",
     "TfmForMaskedLM",
     "TfmForQuestionAnswering",
     "TfmForSequenceClassification",
     "TfmForTokenClassification",
     "TfmModel",
     "TfmPreTrainedModel",
+    "TfmSeq2SeqModel",
+    "TfmSeq2SeqPreTrainedModel",
 ]

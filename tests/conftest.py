@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hf_tfm  # noqa: F401  (registers the Auto classes)
-from hf_tfm import TfmConfig
+from hf_tfm import TfmConfig, TfmSeq2SeqConfig
 from hf_tfm.modeling import CACHE_NAME
 
 # Tiny sizes: every test model has about 60k parameters and runs in milliseconds on one CPU thread.
@@ -40,7 +40,13 @@ def tiny_config(**overrides) -> TfmConfig:
     return TfmConfig(**{**TINY, **overrides})
 
 
-def build(model_class, config: TfmConfig, seed: int = 0, attn_implementation: str = "eager"):
+def tiny_seq2seq_config(encoder: dict | None = None, decoder: dict | None = None, **overrides) -> TfmSeq2SeqConfig:
+    """A tiny encoder-decoder: TINY sizes on both sides, 3 encoder and 2 decoder layers; the dicts override a side."""
+    encoder = {**TINY, "num_hidden_layers": 3, **(encoder or {})}
+    return TfmSeq2SeqConfig(encoder=encoder, decoder={**TINY, **(decoder or {})}, **overrides)
+
+
+def build(model_class, config: TfmConfig | TfmSeq2SeqConfig, seed: int = 0, attn_implementation: str = "eager"):
     """A model with seeded random weights, in eval mode, on the requested attention kernel."""
     torch.manual_seed(seed)
     config._attn_implementation = attn_implementation

@@ -4,11 +4,11 @@ import re
 
 import pytest
 import torch
-from conftest import build, random_ids, tiny_config
+from conftest import build, random_ids, tiny_config, tiny_seq2seq_config
 
 from hf_tfm import modeling
 
-HEADS = [getattr(modeling, name) for name in modeling.__all__ if name != "TfmPreTrainedModel"]
+HEADS = [getattr(modeling, name) for name in modeling.__all__ if not name.endswith("PreTrainedModel")]
 
 
 def _plan_style(plan: dict[str, str], module_name: str) -> str | None:
@@ -22,7 +22,10 @@ def _plan_style(plan: dict[str, str], module_name: str) -> str | None:
 @pytest.mark.parametrize("cls", HEADS, ids=lambda cls: cls.__name__)
 def test_tied_weights_are_sharded_together(cls):
     """Every tied pair is sharded by both ends' TP plan entries or by neither (transformers' common-test rule)."""
-    config = tiny_config(tie_word_embeddings=True, is_causal=cls is not modeling.TfmForMaskedLM)
+    if issubclass(cls, modeling.TfmSeq2SeqPreTrainedModel):
+        config = tiny_seq2seq_config()
+    else:
+        config = tiny_config(tie_word_embeddings=True, is_causal=cls is not modeling.TfmForMaskedLM)
     model = cls(config)
     for target, source in model.all_tied_weights_keys.items():
         styles = [_plan_style(model.tp_plan, name.rpartition(".")[0]) for name in (target, source)]
