@@ -18,20 +18,32 @@ from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 from transformers.utils import logging
 
 from .. import modeling
-from ..configuration import TfmConfig
+from ..configuration import TfmConfig, TfmSeq2SeqConfig
 from ..modeling import (
     TfmForCausalLM,
+    TfmForConditionalGeneration,
     TfmForMaskedLM,
     TfmForQuestionAnswering,
     TfmForSequenceClassification,
     TfmForTokenClassification,
     TfmModel,
     TfmPreTrainedModel,
+    TfmSeq2SeqModel,
 )
 
 logger = logging.get_logger(__name__)
 
-HEADS = ("base", "causal_lm", "sequence_classification", "token_classification", "masked_lm", "question_answering")
+HEADS = (
+    "base",
+    "causal_lm",
+    "sequence_classification",
+    "token_classification",
+    "masked_lm",
+    "question_answering",
+    "seq2seq",
+    "seq2seq_lm",
+)
+BASE_HEADS = ("base", "seq2seq")  # backbones: their weight names carry no head prefix
 TFM_CLASSES = {
     "base": TfmModel,
     "causal_lm": TfmForCausalLM,
@@ -39,6 +51,8 @@ TFM_CLASSES = {
     "token_classification": TfmForTokenClassification,
     "masked_lm": TfmForMaskedLM,
     "question_answering": TfmForQuestionAnswering,
+    "seq2seq": TfmSeq2SeqModel,
+    "seq2seq_lm": TfmForConditionalGeneration,
 }
 IN_TREE_DEFAULT_CLASSIFIER_DROPOUT = 0.1  # GenericForTokenClassification / GPT-2's fallback when the config has none
 # Config fields every head carries unchanged in both directions (labels, problem type).
@@ -109,9 +123,10 @@ class Family:
     split_state: Callable | None = None  # in-tree state dict -> the same with fused projections split (before rules)
     fuse_state: Callable | None = None  # the reverse, after the rules (GPT-2's c_attn, ModernBERT's Wqkv and Wi)
     head_prefixes: dict[str, str] = field(default_factory=dict)  # head -> hf_prefix where a head differs (Llama QA)
+    seq2seq: bool = False  # an encoder-decoder family: its hf_tfm side is a TfmSeq2SeqConfig
 
     def rules(self, head: str) -> list[Rule]:
-        if head == "base":
+        if head in BASE_HEADS:
             return self.base_rules + self.head_rules.get("base", [])
         prefix = self.head_prefixes.get(head, self.hf_prefix)
         return _prefixed(self.base_rules, "model.", prefix) + self.head_rules.get(head, [])
@@ -167,6 +182,24 @@ def classifier_blockers(
         need(config, out, family, "classifier_bias", True)
 
 
+def side_blockers(config: TfmSeq2SeqConfig, check: Callable[[TfmConfig, list[str]], None]) -> list[str]:
+    """Run `check(side, out)` on the encoder's and the decoder's config; messages name `encoder.<knob>` etc."""
+    out = []
+    for side in ("encoder", "decoder"):
+        found: list[str] = []
+        check(getattr(config, side), found)
+        out += [message.replace("`", f"`{side}.", 1) for message in found]
+    return out
+
+
+def same_on_both_sides(config: TfmSeq2SeqConfig, out: list[str], family: str, knobs: tuple[str, ...]) -> None:
+    """Knobs the in-tree config holds once for both sides: the decoder's value must be the encoder's."""
+    for knob in knobs:
+        need(config.decoder, out, family, knob, getattr(config.encoder, knob), "the encoder's value: one field")
+        if out and out[-1].startswith(f"`{knob}`"):
+            out[-1] = f"`decoder.{out[-1][1:]}"
+
+
 def sizes(c) -> dict:
     return {
         "vocab_size": c.vocab_size,
@@ -217,20 +250,34 @@ def _load_in_tree(path: str | Path) -> PreTrainedModel:
         raise ValueError(
             f"`model_type={config.model_type!r}` in {path} is not importable; supported: {sorted(FAMILIES)}."
         )
-    architecture = (config.architectures or [FAMILIES[config.model_type].classes["base"].__name__])[0]
+    backbone = next(iter(FAMILIES[config.model_type].classes.values()))  # each family lists its backbone first
+    architecture = (config.architectures or [backbone.__name__])[0]
     return getattr(transformers, architecture).from_pretrained(path)
 
 
-def _build(cls, config, source: torch.nn.Module, state: dict) -> PreTrainedModel:
-    """Instantiate `cls(config)` with the source's attention backend, load `state` strictly, match dtype."""
+def _build(cls, config, source: torch.nn.Module, state: dict, optional: set[str] = frozenset()) -> PreTrainedModel:
+    """Instantiate `cls(config)` with the source's attention backend, load `state` strictly, match dtype.
+
+    Keys in `optional` (aliases) may be absent from the built class; keys the class computes itself (its
+    `_keys_to_ignore_on_load_missing`: Marian's sinusoid table, BART's zero logits bias) may be absent from `state`.
+    """
     config._attn_implementation = source.config._attn_implementation
     # A backbone carries a pooler when the weights have one (BertModel's `add_pooling_layer`, our config knob).
     takes_pooler = "add_pooling_layer" in inspect.signature(cls.__init__).parameters
     pooler = any(key.startswith("pooler.") for key in state)
     model = cls(config, add_pooling_layer=pooler) if takes_pooler else cls(config)
     dtype = next(source.parameters()).dtype
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k not in _tied_targets(model)]
+    own_keys = set(model.state_dict())
+    missing, unexpected = model.load_state_dict(
+        {k: v for k, v in state.items() if k in own_keys or k not in optional}, strict=False
+    )
+    computed = [re.compile(pattern) for pattern in getattr(model, "_keys_to_ignore_on_load_missing", None) or []]
+    prefix = f"{model.base_model_prefix}."  # the patterns may name a backbone's keys as its heads do
+
+    def is_computed(key: str) -> bool:
+        return any(p.search(key) or p.search(prefix + key) for p in computed)
+
+    missing = [k for k in missing if k not in _tied_targets(model) and not is_computed(k)]
     if missing or unexpected:
         raise ValueError(
             f"Weight mapping for {cls.__name__} is incomplete: missing {missing}, unexpected {unexpected}."
@@ -245,9 +292,7 @@ def _build(cls, config, source: torch.nn.Module, state: dict) -> PreTrainedModel
 
 def _tied_targets(model: PreTrainedModel) -> set[str]:
     """Keys that are tied copies of another weight (filled by tying, not by the state dict)."""
-    if not getattr(model.config, "tie_word_embeddings", False):
-        return set()
-    return set(getattr(model, "all_tied_weights_keys", {}) or {})
+    return set(getattr(model, "all_tied_weights_keys", None) or {})
 
 
 def from_hf(model_or_path: PreTrainedModel | str | Path) -> TfmPreTrainedModel:
@@ -280,14 +325,17 @@ def from_hf(model_or_path: PreTrainedModel | str | Path) -> TfmPreTrainedModel:
             raise ValueError(f"from_hf: no hf_tfm counterpart for {family.name} weight `{key}`.")
         name, transpose = renamed
         converted[name] = value.t() if transpose else value
-    kwargs["add_pooling_layer"] = head == "base" and any(key.startswith("pooler.") for key in converted)
-    config = TfmConfig(**kwargs)
+    if not family.seq2seq:
+        kwargs["add_pooling_layer"] = head == "base" and any(key.startswith("pooler.") for key in converted)
+    config = (TfmSeq2SeqConfig if family.seq2seq else TfmConfig)(**kwargs)
     return _build(TFM_CLASSES[head], config, source, {k: v.detach().clone() for k, v in converted.items()})
 
 
 def export_blockers(config: TfmConfig, head: str = "base") -> dict[str, list[str]]:
-    """For each in-tree family, the knobs that keep `config` (with this head) from being exported to it."""
-    blockers = {name: family.blockers(config, head) for name, family in FAMILIES.items()}
+    """For each in-tree family of the config's kind (encoder-decoder or not), the knobs that keep `config` (with this
+    head) from being exported to it."""
+    seq2seq = isinstance(config, TfmSeq2SeqConfig)
+    blockers = {name: family.blockers(config, head) for name, family in FAMILIES.items() if family.seq2seq == seq2seq}
     for name, found in blockers.items():
         if head == "causal_lm":  # no in-tree family has a bias on its causal LM head
             need(config, found, name, "lm_head_bias", False)
@@ -302,7 +350,7 @@ def to_hf(model: TfmPreTrainedModel | str | Path) -> PreTrainedModel:
     architecture. The result saves and loads with plain transformers, no `trust_remote_code`.
     """
     if isinstance(model, (str, Path)):
-        config = TfmConfig.from_pretrained(model)
+        config = AutoConfig.from_pretrained(model)
         architecture = (config.architectures or ["TfmModel"])[0]
         model = getattr(modeling, architecture).from_pretrained(model)
     head = _head_of(model)
@@ -335,7 +383,8 @@ def to_hf(model: TfmPreTrainedModel | str | Path) -> PreTrainedModel:
     for alias, original in family.hf_aliases.items():
         if original in converted:
             converted[alias] = converted[original]
-    return _build(family.classes[head], hf_config, model, {k: v.detach().clone() for k, v in converted.items()})
+    state = {k: v.detach().clone() for k, v in converted.items()}
+    return _build(family.classes[head], hf_config, model, state, optional=set(family.hf_aliases))
 
 
 def convert_path(src: str | Path, dst: str | Path) -> PreTrainedModel:
@@ -346,7 +395,8 @@ def convert_path(src: str | Path, dst: str | Path) -> PreTrainedModel:
     """
     src, dst = Path(src), Path(dst)
     config = TfmConfig.get_config_dict(src)[0]
-    converted = to_hf(src) if config.get("model_type") == TfmConfig.model_type else from_hf(src)
+    ours = (TfmConfig.model_type, TfmSeq2SeqConfig.model_type)
+    converted = to_hf(src) if config.get("model_type") in ours else from_hf(src)
     dst.mkdir(parents=True, exist_ok=True)
     converted.save_pretrained(dst, safe_serialization=True)
     skip = re.compile(r"config\.json|generation_config\.json|.*\.safetensors(\.index\.json)?|pytorch_model.*|.*\.py")
