@@ -374,6 +374,7 @@ class TfmSeq2SeqConfig(PreTrainedConfig):
     )
     tie_word_embeddings: bool = True  # `lm_head` shares the decoder's token embeddings
     is_encoder_decoder: bool = True
+    use_cache: bool = True  # the model's default; decides for the decoder (whose own `use_cache` is not read)
     decoder_start_token_id: int | None = None  # the first decoder token; None: the decoder's `bos_token_id`
     pad_token_id: int | None = None  # None: the decoder's (as the three below)
     bos_token_id: int | None = None

@@ -1272,6 +1272,8 @@ class TfmSeq2SeqModel(TfmSeq2SeqPreTrainedModel):
                 "Pass `decoder_input_ids` or `decoder_inputs_embeds` (or `labels` to a TfmForConditionalGeneration, "
                 "which shifts them right into decoder inputs)."
             )
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
         if encoder_outputs is None:
             encoder_outputs = self.encoder(
                 input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, **kwargs

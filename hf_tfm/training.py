@@ -13,8 +13,9 @@ class PadCollator:
     """Pad a list of `{"input_ids": [...], "labels": ...}` examples into a batch, with no tokenizer.
 
     - `input_ids` are padded with `pad_token_id` (right padding by default) and an `attention_mask` is added.
-    - List `labels` (causal LM, masked LM, token classification) are padded with `label_pad_token_id` (-100, which
-      the losses ignore); scalar labels (sequence classification) are stacked.
+    - List `labels` (causal LM, masked LM, token classification, seq2seq targets) are padded to their own longest
+      row with `label_pad_token_id` (-100, which the losses ignore); scalar labels (sequence classification) are
+      stacked. A seq2seq model builds its decoder inputs from them.
     - Without `labels`, a causal LM gets `labels = input_ids` with padding ignored (`labels_from_inputs=True`).
     - Any other list-valued key of the same length as `input_ids` (`token_type_ids`) is padded with 0.
     """
@@ -59,7 +60,8 @@ class PadCollator:
             if isinstance(labels[0], (int, float)) or torch.as_tensor(labels[0]).ndim == 0:
                 batch["labels"] = torch.as_tensor(labels)
             else:
-                batch["labels"] = self._pad([list(row) for row in labels], length, self.label_pad_token_id)
+                rows = [list(row) for row in labels]
+                batch["labels"] = self._pad(rows, max(len(row) for row in rows), self.label_pad_token_id)
         elif self.labels_from_inputs:
             batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, self.label_pad_token_id)
         return batch
