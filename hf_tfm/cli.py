@@ -3,7 +3,8 @@
     hf-tfm demo [--quick]                      the main job, on the Python standard library's own text
     hf-tfm pretrain --train-file F ...         a causal LM on your text (from a preset or an existing checkpoint)
     hf-tfm finetune --train-file F ...         a sequence classifier on your labelled data (full or LoRA)
-    hf-tfm generate DIR --prompt TEXT          streamed sampling from a causal LM folder
+    hf-tfm pretrain|finetune --task seq2seq    an encoder-decoder on your source/target pairs
+    hf-tfm generate DIR --prompt TEXT          streamed sampling from a causal LM folder (or a seq2seq one's output)
     hf-tfm classify DIR TEXT... | --file F     labels and scores from a classifier folder
     hf-tfm push DIR --repo-id ID               upload a folder to the Hugging Face Hub (HF_ENDPOINT is honoured)
     hf-tfm info PATH_OR_PRESET                 config, parameter count, supported integrations
@@ -39,6 +40,7 @@ DEMO_PROFILES: dict[str, dict[str, Any]] = {
         "lm_config": {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4},
         "lm": {"max_steps": 150, "batch_size": 16, "seq_len": 128, "learning_rate": 2e-3},
         "clf": {"max_steps": 150, "batch_size": 16, "seq_len": 96, "learning_rate": 3e-3},
+        "s2s": {"max_steps": 150, "batch_size": 32, "seq_len": 48, "learning_rate": 2e-3},
         "max_new_tokens": 24,
     },
     "full": {
@@ -47,6 +49,7 @@ DEMO_PROFILES: dict[str, dict[str, Any]] = {
         "lm_config": {"hidden_size": 192, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2},
         "lm": {"max_steps": 2400, "batch_size": 16, "seq_len": 128, "learning_rate": 2e-3},
         "clf": {"max_steps": 400, "batch_size": 16, "seq_len": 128, "learning_rate": 2e-3},
+        "s2s": {"max_steps": 1200, "batch_size": 32, "seq_len": 48, "learning_rate": 2e-3},
         "max_new_tokens": 48,
     },
 }
@@ -117,7 +120,7 @@ def _split_held_out(texts: list[str], fraction: float, seed: int) -> tuple[list[
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .data import docstring_task, stdlib_files, stdlib_root
+    from .data import docstring_name_task, docstring_task, stdlib_files, stdlib_root
     from .presets import load_config
     from .recipes import (
         TrainSettings,
@@ -126,6 +129,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         plot_loss_curves,
         pretrain_causal_lm,
         staged_dir,
+        train_seq2seq,
         write_model_card,
     )
     from .tokenization import train_bpe_tokenizer
@@ -135,7 +139,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     out = Path(args.output_dir).resolve()
     with staged_dir(out, overwrite=args.overwrite, replaceable=_is_demo_output) as stage:
-        print(f"[1/6] corpus: the Python standard library at {stdlib_root()}")
+        print(f"[1/7] corpus: the Python standard library at {stdlib_root()}")
         all_files = stdlib_files()
         task = docstring_task(all_files, seed=seed)
         # The LM never sees a file whose docstrings are classifier test inputs: no transductive leak.
@@ -151,7 +155,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f"{len(task.train_texts)} train / {len(task.test_texts)} test docstrings, split by file"
         )
 
-        print(f"[2/6] tokenizer: byte-level BPE, vocabulary {profile['vocab_size']}")
+        print(f"[2/7] tokenizer: byte-level BPE, vocabulary {profile['vocab_size']}")
         tokenizer = train_bpe_tokenizer(train_texts, vocab_size=profile["vocab_size"])
 
         lm_settings = TrainSettings(seed=seed, **profile["lm"])
@@ -164,7 +168,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
         )
-        print(f"[3/6] pretraining a causal LM ({lm_settings.max_steps} steps, sequence length {lm_settings.seq_len})")
+        print(f"[3/7] pretraining a causal LM ({lm_settings.max_steps} steps, sequence length {lm_settings.seq_len})")
         lm_dir = stage / "lm"
         lm = pretrain_causal_lm(config, tokenizer, train_texts, eval_texts, lm_settings, lm_dir)
         print(f"      held-out loss {lm['eval_loss']:.3f}, perplexity {lm['perplexity']:.1f}")
@@ -193,14 +197,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
             auto_class="AutoModelForCausalLM",
         )
 
-        print("[4/6] reloading the folder in a fresh process (AutoModelForCausalLM, trust_remote_code, no hf_tfm)")
+        print("[4/7] reloading the folder in a fresh process (AutoModelForCausalLM, trust_remote_code, no hf_tfm)")
         reloaded = generate_in_fresh_process(lm_dir, DEMO_PROMPTS, profile["max_new_tokens"], seed)
         for prompt, text in zip(DEMO_PROMPTS, reloaded["generations"], strict=True):
             print(f"      {prompt!r} -> {text!r}")
 
         clf_settings = TrainSettings(seed=seed, **profile["clf"])
         print(
-            f"[5/6] LoRA fine-tuning an encoder classifier from the LM's weights "
+            f"[5/7] LoRA fine-tuning an encoder classifier from the LM's weights "
             f"({clf_settings.max_steps} steps, {len(task.label_names)} classes)"
         )
         clf_dir = stage / "classifier"
@@ -247,9 +251,75 @@ def cmd_demo(args: argparse.Namespace) -> int:
             auto_class="AutoModelForSequenceClassification",
         )
 
-        print("[6/6] writing the loss curves and metrics")
+        s2s_settings = TrainSettings(seed=seed, **profile["s2s"])
+        names = docstring_name_task(all_files, seed=seed)
+        print(
+            f"[6/7] seq2seq: an encoder-decoder learns a function's name from its docstring "
+            f"({s2s_settings.max_steps} steps, {len(names.train_sources)} train / {len(names.test_sources)} test "
+            "functions, split by file)"
+        )
+        s2s_dir = stage / "seq2seq"
+        s2s_config = load_config(
+            "tiny-seq2seq",
+            vocab_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        # A leading space makes the name's words the tokens they are inside the docstring (byte-level BPE).
+        targets = lambda texts: [" " + text for text in texts]  # noqa: E731
+        s2s = train_seq2seq(
+            s2s_config,
+            tokenizer,
+            (names.train_sources, targets(names.train_targets)),
+            (names.test_sources, targets(names.test_targets)),
+            s2s_settings,
+            s2s_dir,
+            max_target_len=12,
+        )
+        print(
+            f"      test exact match {s2s['exact_match']:.3f}, word F1 {s2s['word_f1']:.3f} vs majority-name "
+            f"baseline {s2s['baseline_exact_match']:.3f} / {s2s['baseline_word_f1']:.3f} "
+            f"(always {s2s['baseline_target'].strip()!r})"
+        )
+        for example in s2s["examples"][:3]:
+            source, prediction, target = (example[k].strip() for k in ("source", "prediction", "target"))
+            print(f"      {source[:60]!r} -> {prediction!r} (is {target!r})")
+        write_model_card(
+            s2s_dir,
+            title="hf_tfm demo encoder-decoder: a function's name from its docstring",
+            summary=(
+                "A small encoder-decoder (`TfmForConditionalGeneration`, RoPE, pre-norm, SwiGLU on both sides) "
+                "trained from scratch by `hf-tfm demo`: the first paragraph of a function's docstring in, the words "
+                "of its name out."
+            ),
+            config=s2s_config,
+            parameters=s2s["parameters"],
+            data=[
+                "Standard-library functions and methods whose name is made of words of their docstring's first "
+                "paragraph (dunder methods left out).",
+                f"{s2s['train_examples']} train functions from {len(names.train_files)} files, "
+                f"{s2s['test_examples']} test functions from {len(names.test_files)} other files.",
+            ],
+            settings=s2s_settings.as_dict(),
+            metrics={
+                "test exact match (greedy)": s2s["exact_match"],
+                "test word F1 (greedy)": s2s["word_f1"],
+                "majority-name baseline exact match": s2s["baseline_exact_match"],
+                "majority-name baseline word F1": s2s["baseline_word_f1"],
+                "held-out loss": s2s["eval_loss"],
+            },
+            pipeline_tag="text2text-generation",
+            auto_class="AutoModelForSeq2SeqLM",
+        )
+
+        print("[7/7] writing the loss curves and metrics")
         plot = plot_loss_curves(
-            {"causal LM pretraining": lm["history"], "LoRA classifier fine-tuning": clf["history"]},
+            {
+                "causal LM pretraining": lm["history"],
+                "LoRA classifier fine-tuning": clf["history"],
+                "seq2seq: docstring -> name": s2s["history"],
+            },
             stage / "loss_curves.png",
         )
         metrics = {
@@ -269,6 +339,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 "test_files": len(task.test_files),
                 "settings": clf_settings.as_dict(),
             },
+            "seq2seq": s2s | {"folder": "seq2seq", "settings": s2s_settings.as_dict()},
             "plot": plot.name,
             "wall_seconds": round(time.perf_counter() - start, 1),
             "torch_threads": __import__("torch").get_num_threads(),
@@ -287,6 +358,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"  classifier ({out / 'classifier'}): test accuracy {clf['test_accuracy']:.3f} "
         f"vs majority baseline {baseline:.3f} on {len(task.label_names)} classes"
     )
+    print(
+        f"  seq2seq ({out / 'seq2seq'}): docstring -> name, test exact match {s2s['exact_match']:.3f}, word F1 "
+        f"{s2s['word_f1']:.3f} vs majority-name baseline {s2s['baseline_exact_match']:.3f} / "
+        f"{s2s['baseline_word_f1']:.3f}"
+    )
     print(f"  loss curves: {out / 'loss_curves.png'}")
     print(f"  metrics:     {out / 'metrics.json'}")
     print(f"Next: hf-tfm generate {out / 'lm'} --prompt 'def '   |   hf-tfm push {out / 'lm'} --repo-id you/name")
@@ -300,6 +376,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _tokenizer_and_model(args: argparse.Namespace, texts: list[str], settings) -> tuple[Any, Any]:
     """The tokenizer and what to train: `--model` (its path or Hub id, with its tokenizer), else a tokenizer trained on
     the texts and the `--config` preset sized to it."""
+    from .configuration import TfmSeq2SeqConfig
     from .presets import load_config
     from .tokenization import train_bpe_tokenizer
 
@@ -315,16 +392,107 @@ def _tokenizer_and_model(args: argparse.Namespace, texts: list[str], settings) -
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
+    seq2seq = args.task == "seq2seq"
+    if isinstance(config, TfmSeq2SeqConfig) != seq2seq:
+        kind = "an encoder-decoder" if seq2seq else "an encoder or a decoder"
+        raise CliError(f"--config {args.config} is not {kind} config, as --task {args.task} needs")
     # Grow the preset's position range to the training length if needed, never shrink it (learned positions would
     # then refuse longer texts at classify/generate time).
-    config.max_position_embeddings = max(config.max_position_embeddings, settings.seq_len)
+    for side in (config.encoder, config.decoder) if seq2seq else (config,):
+        side.max_position_embeddings = max(side.max_position_embeddings, settings.seq_len)
     return tokenizer, config
+
+
+def _check_task_options(args: argparse.Namespace) -> None:
+    """Fill the task's defaults and refuse options another task would silently ignore."""
+    seq2seq = args.task == "seq2seq"
+    for option in ("source_column", "target_column", "max_target_len"):
+        if getattr(args, option) is not None and not seq2seq:
+            raise CliError(f"--{option.replace('_', '-')} is for --task seq2seq")
+    if args.text_column is not None and seq2seq:
+        raise CliError("--task seq2seq reads --source-column and --target-column, not --text-column")
+    if args.config is None and args.model is None:
+        args.config = "tiny-seq2seq" if seq2seq else DEFAULT_CONFIGS[args.command]
+    args.text_column = args.text_column or "text"
+
+
+DEFAULT_CONFIGS = {"pretrain": "tiny-decoder", "finetune": "tiny-encoder"}
+
+
+def _train_seq2seq(args: argparse.Namespace) -> int:
+    """`hf-tfm pretrain|finetune --task seq2seq`: an encoder-decoder on source/target pairs (finetune: LoRA on a
+    `--model` by default)."""
+    from transformers import AutoConfig
+
+    from .data import load_pairs
+    from .recipes import check_output_dir, staged_dir, train_seq2seq, write_model_card
+
+    check_output_dir(args.output_dir, args.overwrite)
+    columns = (args.source_column or "source", args.target_column or "target")
+    sources, targets = load_pairs(args.train_file, *columns)
+    if args.eval_file:
+        eval_sources, eval_targets = load_pairs(args.eval_file, *columns)
+    else:
+        pairs, held = _split_held_out(list(zip(sources, targets, strict=True)), 0.1, args.seed)
+        sources, targets = [s for s, _ in pairs], [t for _, t in pairs]
+        eval_sources, eval_targets = [s for s, _ in held], [t for _, t in held]
+    lora = args.lora if args.lora is not None else args.model is not None
+    settings = _settings(args, max_steps=200, learning_rate=2e-3 if lora else 1e-3)
+    tokenizer, model = _tokenizer_and_model(args, sources + targets, settings)
+    if args.model and not getattr(
+        AutoConfig.from_pretrained(args.model, trust_remote_code=True), "is_encoder_decoder", False
+    ):
+        raise CliError(f"--model {args.model} is not an encoder-decoder checkpoint; --task seq2seq needs one")
+    max_target_len = args.max_target_len or 32
+    source = f"fine-tuned from `{args.model}`" if args.model else f"trained from scratch, config `{args.config}`"
+    with staged_dir(args.output_dir, overwrite=args.overwrite) as stage:
+        result = train_seq2seq(
+            model,
+            tokenizer,
+            (sources, targets),
+            (eval_sources, eval_targets),
+            settings,
+            stage,
+            lora=lora,
+            max_target_len=max_target_len,
+        )
+        write_model_card(
+            stage,
+            title=f"Sequence-to-sequence model trained with hf-tfm on {Path(args.train_file).name}",
+            summary=f"{source.capitalize()} with `hf-tfm {args.command} --task seq2seq`{' (LoRA)' if lora else ''}.",
+            config=AutoConfig.from_pretrained(stage, trust_remote_code=True),
+            parameters=result["parameters"],
+            data=[
+                f"train: `{args.train_file}` ({len(sources)} pairs; columns {columns[0]!r} -> {columns[1]!r})",
+                f"eval: `{args.eval_file or 'a 10% split of the train file'}` ({len(eval_sources)} pairs)",
+            ],
+            settings=settings.as_dict() | {"lora": lora, "max target tokens": max_target_len},
+            metrics={
+                "held-out loss": result["eval_loss"],
+                "exact match (greedy)": result["exact_match"],
+                "word F1 (greedy)": result["word_f1"],
+                "majority-target baseline exact match": result["baseline_exact_match"],
+                "majority-target baseline word F1": result["baseline_word_f1"],
+            },
+            pipeline_tag="text2text-generation",
+            auto_class="AutoModelForSeq2SeqLM",
+        )
+        (stage / "metrics.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
+    print(
+        f"saved {args.output_dir}: held-out loss {result['eval_loss']:.3f}, exact match {result['exact_match']:.3f}, "
+        f"word F1 {result['word_f1']:.3f} (majority-target baseline {result['baseline_exact_match']:.3f} / "
+        f"{result['baseline_word_f1']:.3f})"
+    )
+    return 0
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
     from .data import load_texts
     from .recipes import check_output_dir, load_causal_lm, pretrain_causal_lm, staged_dir, write_model_card
 
+    _check_task_options(args)
+    if args.task == "seq2seq":
+        return _train_seq2seq(args)
     check_output_dir(args.output_dir, args.overwrite)
     texts = load_texts(args.train_file, args.text_column)
     if args.eval_file:
@@ -370,6 +538,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     from .data import load_labelled
     from .recipes import check_output_dir, finetune_classifier, staged_dir, write_model_card
 
+    _check_task_options(args)
+    if args.task == "seq2seq":
+        return _train_seq2seq(args)
     check_output_dir(args.output_dir, args.overwrite)
     texts, labels = load_labelled(args.train_file, args.text_column, args.label_column)
     label_names = sorted(set(labels))
@@ -423,13 +594,17 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
-    from transformers import TextStreamer
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM, TextStreamer
 
     from .recipes import load_causal_lm
 
     _require_model_dir(args.model)
     tokenizer = _load_tokenizer(args.model)
-    model = load_causal_lm(args.model).eval()
+    seq2seq = getattr(AutoConfig.from_pretrained(args.model, trust_remote_code=True), "is_encoder_decoder", False)
+    if seq2seq:  # the prompt is the source; what streams out is the decoder's text
+        model = AutoModelForSeq2SeqLM.from_pretrained(args.model, trust_remote_code=True).eval()
+    else:
+        model = load_causal_lm(args.model).eval()
     if args.seed is not None:
         torch.manual_seed(args.seed)
     options: dict[str, Any] = {"max_new_tokens": args.max_new_tokens}
@@ -440,6 +615,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.repetition_penalty is not None:
         options["repetition_penalty"] = args.repetition_penalty
     inputs = tokenizer(args.prompt, return_tensors="pt")
+    inputs.pop("token_type_ids", None)
     streamer = None if args.no_stream else TextStreamer(tokenizer, skip_special_tokens=True)
     with torch.no_grad():
         output = model.generate(**inputs, streamer=streamer, **options)
@@ -589,22 +765,36 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _add_training_args(p: argparse.ArgumentParser, labelled: bool) -> None:
+    tasks = ["classification", "seq2seq"] if labelled else ["causal-lm", "seq2seq"]
+    p.add_argument(
+        "--task",
+        choices=tasks,
+        default=tasks[0],
+        help=f"what to train (default: {tasks[0]}); seq2seq: an encoder-decoder on source/target pairs",
+    )
     data = p.add_argument_group("data")
     data.add_argument("--train-file", required=True, help=".txt (one text per line), .jsonl/.json or .csv")
     data.add_argument("--eval-file", help="held-out file in the same format (default: a split of --train-file)")
-    data.add_argument("--text-column", default="text", help="column holding the text (default: text)")
+    data.add_argument("--text-column", help="column holding the text (default: text)")
     if labelled:
         data.add_argument("--label-column", default="label", help="column holding the label (default: label)")
+    data.add_argument("--source-column", help="seq2seq: column holding the source text (default: source)")
+    data.add_argument("--target-column", help="seq2seq: column holding the target text (default: target)")
+    data.add_argument("--max-target-len", type=int, help="seq2seq: target tokens kept, with </s> (default: 32)")
     model = p.add_argument_group("model")
     source = model.add_mutually_exclusive_group()
     default = "tiny-encoder" if labelled else "tiny-decoder"
-    source.add_argument("--config", default=default, help=f"preset name or JSON file (default: {default})")
+    source.add_argument(
+        "--config", help=f"preset name or JSON file (default: {default}; tiny-seq2seq for --task seq2seq)"
+    )
     source.add_argument("--model", help="start from this checkpoint folder (its tokenizer is reused)")
     model.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary when training from scratch")
     if labelled:
         lora = model.add_mutually_exclusive_group()
         lora.add_argument("--lora", dest="lora", action="store_true", default=None, help="LoRA (default with --model)")
         lora.add_argument("--no-lora", dest="lora", action="store_false", help="full fine-tuning")
+    else:
+        p.set_defaults(lora=False)  # pretraining trains every weight
     p.add_argument("--output-dir", required=True, help="folder to write (refused if it holds a model)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output-dir")
     train = p.add_argument_group("training")
@@ -634,15 +824,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("pretrain", help="train a causal LM on your text")
+    p = sub.add_parser("pretrain", help="train a causal LM on your text (or --task seq2seq on source/target pairs)")
     _add_training_args(p, labelled=False)
     p.set_defaults(func=cmd_pretrain)
 
-    p = sub.add_parser("finetune", help="train a sequence classifier on your labelled data")
+    p = sub.add_parser("finetune", help="train a sequence classifier on labelled data (or --task seq2seq on pairs)")
     _add_training_args(p, labelled=True)
     p.set_defaults(func=cmd_finetune)
 
-    p = sub.add_parser("generate", help="continue a prompt with a causal LM folder, streaming tokens")
+    p = sub.add_parser("generate", help="continue a prompt with a causal LM folder (seq2seq: its output), streaming")
     p.add_argument("model", help="model folder (with tokenizer)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)

@@ -9,6 +9,7 @@ comes from; it is split by file, so no source file contributes to both train and
 import ast
 import logging
 import random
+import re
 import sysconfig
 import zlib
 from collections import Counter, defaultdict
@@ -51,6 +52,23 @@ class LabelledSplit:
         majority = Counter(self.train_labels).most_common(1)[0][0]
         accuracy = sum(label == majority for label in self.test_labels) / max(len(self.test_labels), 1)
         return self.label_names[majority], accuracy
+
+
+@dataclass
+class PairSplit:
+    """Source/target text pairs for train and test, and which files went to each side."""
+
+    train_sources: list[str]
+    train_targets: list[str]
+    test_sources: list[str]
+    test_targets: list[str]
+    train_files: set[str] = field(default_factory=set)
+    test_files: set[str] = field(default_factory=set)
+
+    def majority_baseline(self) -> tuple[str, list[str]]:
+        """The most frequent training target, and what always answering it predicts for the test sources."""
+        majority = Counter(self.train_targets).most_common(1)[0][0]
+        return majority, [majority] * len(self.test_sources)
 
 
 def stdlib_root() -> Path:
@@ -175,6 +193,53 @@ def docstring_task(
     return split
 
 
+def docstring_name_task(files: list[SourceFile], test_fraction: float = 0.2, seed: int = 0) -> PairSplit:
+    """A function's docstring in, its name out, split by file.
+
+    The source is the first paragraph of the docstring; the target is the name's words, lower-cased and
+    space-separated (`_from_iterable` -> `from iterable`). Kept are the functions and methods whose name is made of
+    words of that paragraph ("Send a value into the generator." -> `send`): about a third of the documented ones,
+    the part a model can learn from the text alone (which words, in which order), where the rest are names no
+    description spells. Dunder methods are left out. About `test_fraction` of the files (shuffled by seed), with
+    all their functions, form the test side.
+    """
+    per_file: dict[str, list[tuple[str, str]]] = {}
+    for source in files:
+        try:
+            tree = ast.parse(source.text)
+        except (SyntaxError, ValueError):
+            continue
+        pairs = []
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("__"):
+                continue
+            summary = (ast.get_docstring(node) or "").split("\n\n")[0].strip()
+            words = [w for w in node.name.lower().split("_") if w]
+            if words and set(words) <= set(re.findall(r"[a-z0-9]+", summary.lower())):
+                pairs.append((summary, " ".join(words)))
+        if pairs:
+            per_file[source.path] = pairs
+    paths = sorted(per_file)
+    if len(paths) < 2:
+        raise DataError("the standard library corpus yields fewer than 2 files with documented functions")
+    random.Random(seed).shuffle(paths)
+    test_files = set(paths[: max(1, round(len(paths) * test_fraction))])
+    split = PairSplit([], [], [], [], train_files=set(paths) - test_files, test_files=test_files)
+    for path in sorted(per_file):
+        test = path in test_files
+        for summary, name in per_file[path]:
+            (split.test_sources if test else split.train_sources).append(summary)
+            (split.test_targets if test else split.train_targets).append(name)
+    logger.info(
+        "docstring -> name task: %d train / %d test functions from %d / %d files",
+        len(split.train_sources),
+        len(split.test_sources),
+        len(split.train_files),
+        len(split.test_files),
+    )
+    return split
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # User files
 
@@ -254,14 +319,38 @@ def load_labelled(
     return texts, labels
 
 
+def load_pairs(
+    path: str | Path, source_column: str = "source", target_column: str = "target"
+) -> tuple[list[str], list[str]]:
+    """Source/target text pairs from a .jsonl/.json/.csv file; rows missing either side are dropped."""
+    dataset = _read(path)
+    if FORMATS[Path(path).suffix.lower()] == "text":
+        raise DataError(
+            f"{path}: a .txt file has no source/target columns; use .jsonl or .csv with {source_column!r} and "
+            f"{target_column!r} columns"
+        )
+    columns = (_column(dataset, path, source_column, "source"), _column(dataset, path, target_column, "target"))
+    pairs = [
+        (str(source), str(target))
+        for source, target in zip(*columns, strict=True)
+        if source is not None and str(source).strip() and target is not None and str(target).strip()
+    ]
+    if not pairs:
+        raise DataError(f"{path}: no row has both a source and a target text")
+    return [source for source, _ in pairs], [target for _, target in pairs]
+
+
 __all__ = [
     "FORMATS",
     "DataError",
     "LabelledSplit",
+    "PairSplit",
     "SourceFile",
+    "docstring_name_task",
     "docstring_task",
     "docstrings",
     "load_labelled",
+    "load_pairs",
     "load_texts",
     "stdlib_files",
     "stdlib_root",

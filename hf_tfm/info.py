@@ -12,38 +12,48 @@ from typing import Any
 import torch
 
 from . import modeling
-from .configuration import TfmConfig
+from .configuration import TfmConfig, TfmSeq2SeqConfig
 from .presets import PRESETS, load_config
 
 Support = tuple[bool, str]
 
 
-def _load(target: str) -> tuple[TfmConfig, str, str]:
+def _default_head(config: TfmConfig | TfmSeq2SeqConfig) -> str:
+    if isinstance(config, TfmSeq2SeqConfig):
+        return "TfmForConditionalGeneration"
+    return "TfmForCausalLM" if config.is_causal else "TfmModel"
+
+
+def _load(target: str) -> tuple[TfmConfig | TfmSeq2SeqConfig, str, str]:
     """The config, a description of where it came from, and the head class name to count parameters for."""
     if target in PRESETS:
         config = load_config(target)
-        return config, f"preset {target!r}", "TfmForCausalLM" if config.is_causal else "TfmModel"
+        return config, f"preset {target!r}", _default_head(config)
     path = Path(target)
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():
         raise ValueError(f"{target!r} is neither a preset ({', '.join(PRESETS)}) nor a model folder or config JSON")
     raw = json.loads(config_file.read_text(encoding="utf-8"))
-    if raw.get("model_type") != TfmConfig.model_type:
+    if raw.get("model_type") not in (TfmConfig.model_type, TfmSeq2SeqConfig.model_type):
         raise ValueError(
             f"{target}: model_type {raw.get('model_type')!r} is not {TfmConfig.model_type!r}; "
             f"convert it first with `hf-tfm convert {target} DST`"
         )
     config = load_config(config_file)
-    architecture = (raw.get("architectures") or ["TfmForCausalLM" if config.is_causal else "TfmModel"])[0]
+    architecture = (raw.get("architectures") or [_default_head(config)])[0]
     if not hasattr(modeling, architecture):
-        architecture = "TfmForCausalLM" if config.is_causal else "TfmModel"
+        architecture = _default_head(config)
     return config, f"{'folder' if path.is_dir() else 'config file'} {target}", architecture
 
 
-def _attention_backends(config: TfmConfig) -> dict[str, Support]:
+def _sides(config: TfmConfig | TfmSeq2SeqConfig) -> tuple[TfmConfig, ...]:
+    return (config.encoder, config.decoder) if isinstance(config, TfmSeq2SeqConfig) else (config,)
+
+
+def _attention_backends(config: TfmConfig | TfmSeq2SeqConfig) -> dict[str, Support]:
     from transformers.utils import is_flash_attn_2_available, is_torch_flex_attn_available
 
-    alibi = config.position_embedding_type == "alibi"
+    alibi = any(side.position_embedding_type == "alibi" for side in _sides(config))
     backends: dict[str, Support] = {"eager": (True, "reference implementation")}
     backends["sdpa"] = (
         (True, "torch.nn.functional.scaled_dot_product_attention")
@@ -66,7 +76,12 @@ def _attention_backends(config: TfmConfig) -> dict[str, Support]:
     return backends
 
 
-def _caches(config: TfmConfig) -> dict[str, Support]:
+def _caches(config: TfmConfig | TfmSeq2SeqConfig) -> dict[str, Support]:
+    if isinstance(config, TfmSeq2SeqConfig):
+        caches = _caches(config.decoder)  # the decoder's self-attention cache, next to the source's keys and values
+        caches["dynamic"] = (True, "EncoderDecoderCache: the source's cross-attention keys are computed once")
+        caches["quantized"] = (False, "generate() refuses quantized caches for encoder-decoder models")
+        return caches
     if not config.is_causal:
         reason = "an encoder (is_causal=False) does not generate, so it keeps no KV cache"
         return dict.fromkeys(("dynamic", "static", "offloaded", "quantized"), (False, reason))
@@ -111,8 +126,14 @@ def _export(config: TfmConfig, architecture: str) -> dict[str, Support]:
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-def _serving(config: TfmConfig, architecture: str) -> dict[str, Support]:
+def _serving(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> dict[str, Support]:
     """Which serving paths take this model, and why not where they don't."""
+    if isinstance(config, TfmSeq2SeqConfig):
+        return {
+            "continuous batching": (False, "the paged kernels are causal self-attention: no cross-attention"),
+            "vLLM (GPU)": (False, "vLLM's Transformers backend has no encoder-decoder class"),
+            "vLLM (CPU)": (False, "vLLM's Transformers backend has no encoder-decoder class"),
+        }
     if not config.is_causal or config.position_embedding_type == "alibi":
         knob = "is_causal=False" if not config.is_causal else "position_embedding_type='alibi'"
         batching = (False, f"{knob}: the paged kernels are causal and take no position bias")
@@ -141,6 +162,12 @@ def describe(target: str) -> dict[str, Any]:
         model = getattr(modeling, architecture)(config)
     parameters = sum(p.numel() for p in model.parameters())
     shown = {k: v for k, v in config.to_diff_dict().items() if k not in ("auto_map", "transformers_version")}
+    seq2seq = isinstance(config, TfmSeq2SeqConfig)
+    if seq2seq:  # each side as what it sets beyond TfmConfig's defaults
+        for side in ("encoder", "decoder"):
+            defaults = TfmConfig(is_causal=side == "decoder", add_cross_attention=side == "decoder").to_dict()
+            values = getattr(config, side).to_dict()
+            shown[side] = {k: v for k, v in values.items() if defaults.get(k) != v and k != "transformers_version"}
     integrations = {
         "attention backends": _attention_backends(config),
         "cache types": _caches(config),
@@ -148,14 +175,19 @@ def describe(target: str) -> dict[str, Any]:
         "serving": _serving(config, architecture),
         "training": {
             "gradient checkpointing": (True, ""),
-            "PEFT LoRA": (True, "target_modules q_proj/k_proj/v_proj/o_proj/... or 'all-linear'"),
+            "PEFT LoRA": (
+                True,
+                "task_type SEQ_2_SEQ_LM; q_proj/v_proj/... adapt self- and cross-attention"
+                if seq2seq
+                else "target_modules q_proj/k_proj/v_proj/o_proj/... or 'all-linear'",
+            ),
             "tensor parallel plan": (True, "base_model_tp_plan (DistributedConfig(tp_size=...))"),
         },
     }
     return {
         "source": source,
         "architecture": architecture,
-        "kind": "decoder" if config.is_causal else "encoder",
+        "kind": "encoder-decoder" if seq2seq else "decoder" if config.is_causal else "encoder",
         "parameters": parameters,
         "config": shown,
         "integrations": integrations,

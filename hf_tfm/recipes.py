@@ -9,11 +9,13 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -23,17 +25,21 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
+    DataCollatorForSeq2Seq,
     DataCollatorWithPadding,
     GenerationConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    Seq2SeqTrainer,
+    Seq2SeqTrainingArguments,
     Trainer,
     TrainingArguments,
     default_data_collator,
 )
 
-from . import TfmConfig, TfmForCausalLM, TfmForSequenceClassification
+from . import TfmConfig, TfmForCausalLM, TfmForConditionalGeneration, TfmForSequenceClassification, TfmSeq2SeqConfig
 
 logger = logging.getLogger(__name__)
 
@@ -144,11 +150,15 @@ def pack_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str], seq_len: in
 
 
 def _training_args(
-    settings: TrainSettings, scratch: Path, total_steps: int, eval_steps: int | None
+    settings: TrainSettings,
+    scratch: Path,
+    total_steps: int,
+    eval_steps: int | None,
+    args_class: type[TrainingArguments] = TrainingArguments,
 ) -> TrainingArguments:
     warmup = settings.warmup_steps if settings.warmup_steps is not None else max(1, total_steps // 20)
     logging_steps = settings.logging_steps or max(1, total_steps // 25)
-    return TrainingArguments(
+    return args_class(
         output_dir=str(scratch),
         max_steps=settings.max_steps if settings.max_steps > 0 else -1,
         num_train_epochs=settings.epochs,
@@ -309,21 +319,18 @@ def _model_name(model: PreTrainedModel | TfmConfig | str | os.PathLike) -> str |
     return None
 
 
-def _save_adapter(
-    peft_model: Any, folder: Path, base: str | None, label_kwargs: dict, overrides: dict[str, Any] | None
-) -> None:
+def _save_adapter(peft_model: Any, folder: Path, base: str | None, auto_class: str, kwargs: dict[str, Any]) -> None:
     """Save the adapter naming its real base, and say in its README how to rebuild the base it was trained on."""
     if base is not None:
         for adapter_config in peft_model.peft_config.values():
             adapter_config.base_model_name_or_path = base
     peft_model.save_pretrained(folder)
-    kwargs = {"num_labels": label_kwargs["num_labels"], **(overrides or {})}
-    call = ", ".join(f"{key}={value!r}" for key, value in kwargs.items())
+    call = "".join(f", {key}={value!r}" for key, value in kwargs.items())
     with (folder / "README.md").open("a", encoding="utf-8") as readme:
         readme.write(
             "\n## Loading this adapter with hf-tfm\n\n"
             "It was trained on the base loaded as\n\n```python\n"
-            f"base = AutoModelForSequenceClassification.from_pretrained({base!r}, trust_remote_code=True, {call})\n"
+            f"base = {auto_class}.from_pretrained({base!r}, trust_remote_code=True{call})\n"
             'model = PeftModel.from_pretrained(base, "<this folder>")\n```\n'
         )
 
@@ -410,7 +417,8 @@ def finetune_classifier(
     predicted = predicted.argmax(-1).tolist()
     accuracy = sum(p == t for p, t in zip(predicted, test[1], strict=True)) / max(len(test[1]), 1)
     if lora:
-        _save_adapter(trainable, out_dir / "adapter", adapter_base, label_kwargs, config_overrides)
+        kwargs = {"num_labels": num_labels, **(config_overrides or {})}
+        _save_adapter(trainable, out_dir / "adapter", adapter_base, "AutoModelForSequenceClassification", kwargs)
         model = trainable.merge_and_unload()
     model.config.use_cache = True
     model.save_pretrained(out_dir)
@@ -425,6 +433,167 @@ def finetune_classifier(
         "parameters": model.num_parameters(),  # after merging LoRA, as saved
         "lora": lora,
         "history": loss_history(trainer),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sequence to sequence
+
+
+def word_f1(prediction: str, target: str) -> float:
+    """F1 of the lower-cased words (split at anything not a letter or digit, `_` too) two texts have in common.
+
+    Partial credit where exact match gives none: `show_list` for `show_window` scores 0.5.
+    """
+    predicted, wanted = (Counter(w for w in re.split(r"[\W_]+", t.lower()) if w) for t in (prediction, target))
+    common = sum((predicted & wanted).values())
+    if not common:
+        return float(predicted == wanted)  # both empty: a match
+    precision, recall = common / sum(predicted.values()), common / sum(wanted.values())
+    return 2 * precision * recall / (precision + recall)
+
+
+def score_texts(predictions: list[str], targets: list[str]) -> dict[str, float]:
+    """Exact match (after stripping whitespace) and mean word F1 of predicted texts against the targets."""
+    pairs = list(zip(predictions, targets, strict=True))
+    return {
+        "exact_match": sum(p.strip() == t.strip() for p, t in pairs) / max(len(pairs), 1),
+        "word_f1": sum(word_f1(p, t) for p, t in pairs) / max(len(pairs), 1),
+    }
+
+
+def generate_texts(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    sources: list[str],
+    max_source_len: int,
+    max_new_tokens: int,
+    batch_size: int = 64,
+) -> list[str]:
+    """Greedy generations of a seq2seq model for each source, decoded without special tokens."""
+    model.eval()
+    texts = []
+    with torch.no_grad():
+        for start in range(0, len(sources), batch_size):
+            enc = tokenizer(
+                sources[start : start + batch_size],
+                truncation=True,
+                max_length=max_source_len,
+                padding=True,
+                return_tensors="pt",
+            ).to(model.device)
+            enc.pop("token_type_ids", None)
+            ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1)
+            texts += tokenizer.batch_decode(ids, skip_special_tokens=True)
+    return texts
+
+
+def train_seq2seq(
+    model: PreTrainedModel | TfmSeq2SeqConfig | str | os.PathLike,
+    tokenizer: PreTrainedTokenizerBase,
+    train: tuple[list[str], list[str]],
+    test: tuple[list[str], list[str]],
+    settings: TrainSettings,
+    out_dir: str | os.PathLike,
+    lora: bool = False,
+    lora_r: int = 8,
+    max_target_len: int = 32,
+    adapter_base: str | None = None,
+) -> dict[str, Any]:
+    """Train a sequence-to-sequence model on (source, target) pairs with `Seq2SeqTrainer` and save it.
+
+    `model` is a `TfmSeq2SeqConfig` (a new `TfmForConditionalGeneration`), a model, or a seq2seq checkpoint path/id.
+    Sources are cut to `settings.seq_len` tokens, targets to `max_target_len` (with their `</s>`); the decoder
+    inputs are the targets shifted right behind `decoder_start_token_id`, built by `DataCollatorForSeq2Seq`. With
+    LoRA (self- and cross-attention and MLP projections) the folder holds the merged model and `adapter/` the
+    adapter alone. Returns the held-out loss, the held-out greedy generations' exact match and word F1 next to the
+    majority-target baseline, a few examples, the loss history and sizes.
+    """
+    out_dir = Path(out_dir)
+    adapter_base = adapter_base or _model_name(model)
+    torch.manual_seed(settings.seed)
+    if isinstance(model, TfmSeq2SeqConfig):
+        model = TfmForConditionalGeneration(model)
+    elif not isinstance(model, PreTrainedModel):
+        model = AutoModelForSeq2SeqLM.from_pretrained(model, trust_remote_code=True)
+    if not model.config.is_encoder_decoder:
+        raise ValueError(f"{type(model).__name__} is not an encoder-decoder model: seq2seq training needs one")
+
+    def encode(sources: list[str], targets: list[str]) -> _Examples:
+        enc = tokenizer(sources, truncation=True, max_length=settings.seq_len)
+        labels = tokenizer(targets, add_special_tokens=False, truncation=True, max_length=max_target_len - 1)
+        return _Examples(
+            [
+                {"input_ids": ids, "attention_mask": mask, "labels": [*target, tokenizer.eos_token_id]}
+                for ids, mask, target in zip(enc["input_ids"], enc["attention_mask"], labels["input_ids"], strict=True)
+            ]
+        )
+
+    train_set, test_set = encode(*train), encode(*test)
+    trainable = model
+    if lora:
+        from peft import LoraConfig, TaskType, get_peft_model
+
+        trainable = get_peft_model(
+            model,
+            LoraConfig(
+                task_type=TaskType.SEQ_2_SEQ_LM,
+                r=lora_r,
+                lora_alpha=2 * lora_r,
+                lora_dropout=0.05,
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            ),
+        )
+    trainable_params = sum(p.numel() for p in trainable.parameters() if p.requires_grad)
+    total = _total_steps(settings, len(train_set))
+    with tempfile.TemporaryDirectory(prefix="hf-tfm-trainer-") as scratch:
+        eval_steps = max(1, total // max(settings.evals, 1))
+        trainer = Seq2SeqTrainer(
+            model=trainable,
+            args=_training_args(settings, Path(scratch), total, eval_steps, Seq2SeqTrainingArguments),
+            train_dataset=train_set,
+            eval_dataset=test_set,
+            data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
+        )
+        trainer.train()
+        final = trainer.evaluate()
+    history = loss_history(trainer)
+    if not history["eval"] or history["eval"][-1][0] != trainer.state.global_step:
+        history["eval"].append([trainer.state.global_step, final["eval_loss"]])
+    if lora:
+        _save_adapter(trainable, out_dir / "adapter", adapter_base, "AutoModelForSeq2SeqLM", {})
+        model = trainable.merge_and_unload()
+    model.config.use_cache = True  # Trainer turned it off for training; generation wants it back
+    predictions = generate_texts(model, tokenizer, test[0], settings.seq_len, max_target_len)
+    majority = Counter(train[1]).most_common(1)[0][0]
+    model.generation_config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_target_len,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=model.config.decoder_start_token_id,
+    )
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    scores, baseline = score_texts(predictions, test[1]), score_texts([majority] * len(test[1]), test[1])
+    return {
+        "eval_loss": final["eval_loss"],
+        **scores,
+        "baseline_target": majority,
+        "baseline_exact_match": baseline["exact_match"],
+        "baseline_word_f1": baseline["word_f1"],
+        "examples": [
+            {"source": source[:200], "target": target, "prediction": prediction}
+            for source, target, prediction in list(zip(*test, predictions, strict=True))[:8]
+        ],
+        "train_examples": len(train_set),
+        "test_examples": len(test_set),
+        "steps": trainer.state.global_step,
+        "trainable_parameters": trainable_params,
+        "parameters": model.num_parameters(),
+        "lora": lora,
+        "history": history,
     }
 
 
@@ -457,8 +626,17 @@ def plot_loss_curves(panels: dict[str, dict[str, list[list[float]]]], path: str 
     return path
 
 
-def architecture_summary(config: TfmConfig) -> list[tuple[str, Any]]:
-    """The config fields a reader of a model card wants, as (name, value) rows."""
+def architecture_summary(config: TfmConfig | TfmSeq2SeqConfig) -> list[tuple[str, Any]]:
+    """The config fields a reader of a model card wants, as (name, value) rows; an encoder-decoder's per side."""
+    if isinstance(config, TfmSeq2SeqConfig):
+        top = [(k, getattr(config, k)) for k in ("share_encoder_decoder_embeddings", "tie_word_embeddings")]
+        sides = [
+            (f"{side}.{k}", v)
+            for side in ("encoder", "decoder")
+            for k, v in architecture_summary(getattr(config, side))
+            if k not in ("is_causal", "tie_word_embeddings", "classifier_pooling")
+        ]
+        return [*top, ("decoder_start_token_id", config.decoder_start_token_id), *sides]
     keys = [
         "is_causal",
         "vocab_size",
@@ -514,7 +692,7 @@ tags:
 
 ## Architecture
 
-An `hf_tfm` transformer ({"decoder" if config.is_causal else "encoder"}), {parameters:,} parameters. The modelling
+An `hf_tfm` transformer ({_kind(config)}), {parameters:,} parameters. The modelling
 code ships in this folder (`configuration.py`, `modeling.py`), so it loads without installing `hf_tfm`.
 
 | field | value |
@@ -552,6 +730,12 @@ model = {auto_class}.from_pretrained("path/or/repo-id", trust_remote_code=True)
     return path
 
 
+def _kind(config: TfmConfig | TfmSeq2SeqConfig) -> str:
+    if isinstance(config, TfmSeq2SeqConfig):
+        return "encoder-decoder"
+    return "decoder" if config.is_causal else "encoder"
+
+
 def _fmt(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
@@ -567,10 +751,14 @@ __all__ = [
     "check_output_dir",
     "finetune_classifier",
     "generate_in_fresh_process",
+    "generate_texts",
     "loss_history",
     "pack_texts",
     "plot_loss_curves",
     "pretrain_causal_lm",
+    "score_texts",
     "staged_dir",
+    "train_seq2seq",
+    "word_f1",
     "write_model_card",
 ]

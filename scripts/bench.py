@@ -10,6 +10,8 @@ Pairs: each in-tree model is built from its config (random weights, no dropout),
 - ``bert``: ``BertForSequenceClassification`` (post-norm, learned positions, token types, embedding LayerNorm, pooler)
 - ``modernbert``: ``ModernBertForSequenceClassification`` (pre-norm, RoPE, bias-free LayerNorm, GeGLU, embedding norm,
   dense+act+norm head), all layers global attention (``layer_types``), as ``train_flops`` counts
+- ``bart``: ``BartForConditionalGeneration`` (encoder-decoder: post-norm, learned positions, embedding LayerNorm, GELU
+  MLP, biases, tied head; as many decoder as encoder layers)
 
 Every matmul has the same shape on both sides, so FLOPs match. The one layout difference (GPT-2's Conv1D ``x @ W`` and
 fused ``c_attn`` where hf_tfm has ``nn.Linear`` and separate q/k/v) is listed in the JSON ``notes``, with BERT's pooler
@@ -17,7 +19,9 @@ and ModernBERT's head, which both sides run and ``train_flops`` leaves out (one 
 
 Tasks: ``train`` (causal LM, forward+backward+AdamW step), ``prefill`` (no-grad forward that fills a KV cache, last
 logits only, as generate() does), ``decode_b1``/``decode_b8`` (``generate()`` greedy, prompt 32, 64 new tokens, batch
-1 and 8, no EOS stop), ``cls_train`` (encoder sequence-classification train step). Every round runs the two models
+1 and 8, no EOS stop), ``cls_train`` (encoder sequence-classification train step), ``s2s_train`` (seq2seq train step:
+source batch x seq, target a quarter as long) and ``s2s_generate_b1``/``s2s_generate_b8`` (greedy ``generate()`` from a
+source of half the sequence length, 64 new tokens). Every round runs the two models
 back to back (A B, then B A in the next round, so neither always goes first); the table reports medians.
 
 Peak memory (CPU): bytes allocated by torch during one step above what was live when it began, from
@@ -54,6 +58,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import transformers
 from transformers import (
+    BartConfig,
+    BartForConditionalGeneration,
     BertConfig,
     BertForSequenceClassification,
     GPT2Config,
@@ -81,13 +87,24 @@ SHAPES = {
     "small": {"batch": 8, "seq": 256, "prompt": 32, "new": 64, "decode_batches": (1, 8)},
     "base": {"batch": 8, "seq": 256, "prompt": 32, "new": 64, "decode_batches": (1, 8)},
 }
-ALL_TASKS = ("train", "prefill", "decode_b1", "decode_b8", "cls_train")
+ALL_TASKS = (
+    "train",
+    "prefill",
+    "decode_b1",
+    "decode_b8",
+    "cls_train",
+    "s2s_train",
+    "s2s_generate_b1",
+    "s2s_generate_b8",
+)
 PAIR_TASKS = {
     "llama": ("train", "prefill", "decode_b1", "decode_b8"),
     "gpt2": ("train", "prefill", "decode_b1", "decode_b8"),
     "bert": ("cls_train",),
     "modernbert": ("cls_train",),
+    "bart": ("s2s_train", "s2s_generate_b1", "s2s_generate_b8"),
 }
+TRAIN_TASKS = ("train", "cls_train", "s2s_train")
 NUM_LABELS = 2
 
 
@@ -105,13 +122,21 @@ class Pair:
     ours: nn.Module
     theirs: nn.Module
     theirs_name: str
-    kind: str  # "causal" or "encoder"
-    linears: list[tuple[int, int]] = field(default_factory=list)  # (in, out) of every matmul weight, per token
+    kind: str  # "causal", "encoder" or "seq2seq"
+    # (in, out) of every matmul weight, per token of the step's sequence; seq2seq: (in, out, rows per step)
+    linears: list[tuple[int, ...]] = field(default_factory=list)
     attn: dict = field(default_factory=dict)  # layers, heads, head_dim, causal
     notes: str = ""
 
 
-def in_tree_model(name: str, size: str, dtype: torch.dtype, attn: str) -> tuple[nn.Module, list[tuple[int, int]]]:
+def s2s_shapes(shp: dict) -> tuple[int, int]:
+    """(source, target) lengths of the seq2seq train step."""
+    return shp["seq"], max(2, shp["seq"] // 4)
+
+
+def in_tree_model(
+    name: str, size: str, dtype: torch.dtype, attn: str, shp: dict
+) -> tuple[nn.Module, list[tuple[int, ...]]]:
     """The in-tree model of pair `name` (random weights, no dropout) and the (in, out) shape of each of its matmuls."""
     s = SIZES[size]
     h, n_layers, heads, vocab = s["hidden"], s["layers"], s["heads"], s["vocab"]
@@ -131,6 +156,26 @@ def in_tree_model(name: str, size: str, dtype: torch.dtype, attn: str) -> tuple[
         cls, inter = BertForSequenceClassification, mlp
         no_dropout = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
         cfg = BertConfig(**dims, **no_dropout, intermediate_size=inter, num_labels=NUM_LABELS, pad_token_id=0)
+    elif name == "bart":
+        cls, inter = BartForConditionalGeneration, mlp
+        sides = {
+            f"{side}_{k}": v
+            for side in ("encoder", "decoder")
+            for k, v in (("layers", n_layers), ("attention_heads", heads), ("ffn_dim", inter))
+        }
+        no_dropout = {"dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0}
+        cfg = BartConfig(vocab_size=vocab, d_model=h, max_position_embeddings=512, **sides, **no_dropout, **ids)
+        cfg.decoder_start_token_id = 1
+        src, tgt = shp["batch"] * s2s_shapes(shp)[0], shp["batch"] * s2s_shapes(shp)[1]
+        encoder = [(h, h, src)] * 4 + [(h, inter, src), (inter, h, src)]
+        # decoder: self-attention and FFN on the target; cross-attention q/o on the target, k/v on the source
+        decoder = (
+            [(h, h, tgt)] * 4
+            + [(h, h, tgt), (h, h, src), (h, h, src), (h, h, tgt)]
+            + [(h, inter, tgt), (inter, h, tgt)]
+        )
+        model = cls._from_config(cfg, attn_implementation=attn, dtype=dtype)
+        return model, (encoder + decoder) * n_layers + [(h, vocab, tgt)]
     elif name == "modernbert":
         cls, inter = ModernBertForSequenceClassification, glu
         # All layers global (the default alternates with sliding-window layers), as train_flops counts.
@@ -159,9 +204,9 @@ NOTES = {
 
 def build_pair(name: str, size: str, dtype: torch.dtype, attn: str, device: str) -> Pair:
     """The in-tree model and `from_hf` of it: equivalent config, same weights, same dtype and attention backend."""
-    theirs, linears = in_tree_model(name, size, dtype, attn)
+    theirs, linears = in_tree_model(name, size, dtype, attn, SHAPES[size])
     ours = from_hf(theirs)
-    kind = "causal" if name in ("llama", "gpt2") else "encoder"
+    kind = {"llama": "causal", "gpt2": "causal", "bart": "seq2seq"}.get(name, "encoder")
     pair = Pair(name, ours, theirs, type(theirs).__name__, kind, linears, notes=NOTES.get(name, ""))
     s = SIZES[size]
     pair.attn = {
@@ -172,11 +217,12 @@ def build_pair(name: str, size: str, dtype: torch.dtype, attn: str, device: str)
     }
     for model in (pair.ours, pair.theirs):
         model.to(device)
-        if pair.kind == "causal":  # decode exactly `new` tokens: no EOS stop, same processors for both
+        if pair.kind in ("causal", "seq2seq"):  # decode exactly `new` tokens: no EOS stop, same processors for both
             gc_ = model.generation_config
             gc_.eos_token_id = None
             gc_.pad_token_id = 0
             gc_.do_sample = False
+            gc_.forced_eos_token_id = gc_.forced_bos_token_id = None
     return pair
 
 
@@ -200,12 +246,15 @@ def make_step(model: nn.Module, task: str, shp: dict, vocab: int, device: str, a
         if autocast is not None
         else contextlib.nullcontext
     )
-    if task in ("train", "cls_train"):
+    if task in TRAIN_TASKS:
         ids = torch.randint(3, vocab, (shp["batch"], shp["seq"]), generator=g).to(device)
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         if task == "train":
             kwargs = {"input_ids": ids, "labels": ids}
+        elif task == "s2s_train":
+            target = torch.randint(3, vocab, (shp["batch"], s2s_shapes(shp)[1]), generator=g).to(device)
+            kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": target}
         else:
             labels = torch.randint(0, NUM_LABELS, (shp["batch"],), generator=g).to(device)
             kwargs = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
@@ -229,9 +278,12 @@ def make_step(model: nn.Module, task: str, shp: dict, vocab: int, device: str, a
             sync(device)
 
         return step
-    if task.startswith("decode"):
-        batch = shp["decode_batches"][0 if task == "decode_b1" else 1]
-        ids = torch.randint(3, vocab, (batch, shp["prompt"]), generator=g).to(device)
+    if task.startswith(("decode", "s2s_generate")):
+        batch = shp["decode_batches"][0 if "_b1" in task else 1]
+        seq2seq = task.startswith("s2s")
+        length = shp["seq"] // 2 if seq2seq else shp["prompt"]  # a source to read, or a prompt to continue
+        ids = torch.randint(3, vocab, (batch, length), generator=g).to(device)
+        expected = 1 + shp["new"] if seq2seq else shp["prompt"] + shp["new"]  # seq2seq: decoder start + new
         mask = torch.ones_like(ids)
         extra = {}
         if task.endswith("_static"):
@@ -246,7 +298,7 @@ def make_step(model: nn.Module, task: str, shp: dict, vocab: int, device: str, a
                 out = model.generate(
                     input_ids=ids, attention_mask=mask, max_new_tokens=shp["new"], do_sample=False, **extra
                 )
-            assert out.shape[1] == shp["prompt"] + shp["new"], out.shape
+            assert out.shape[1] == expected, out.shape
             sync(device)
 
         return step
@@ -254,9 +306,11 @@ def make_step(model: nn.Module, task: str, shp: dict, vocab: int, device: str, a
 
 
 def task_tokens(task: str, shp: dict) -> int:
-    """Tokens processed per step (decode: generated tokens)."""
-    if task.startswith("decode"):
-        return shp["decode_batches"][0 if task.startswith("decode_b1") else 1] * shp["new"]
+    """Tokens processed per step (decode and generate: generated tokens; seq2seq training: source + target)."""
+    if task.startswith(("decode", "s2s_generate")):
+        return shp["decode_batches"][0 if "_b1" in task else 1] * shp["new"]
+    if task == "s2s_train":
+        return shp["batch"] * sum(s2s_shapes(shp))
     return shp["batch"] * shp["seq"]
 
 
@@ -288,24 +342,29 @@ def peak_step_memory(step, device: str) -> int:
 
 
 def train_flops(pair: Pair, shp: dict) -> float:
-    """Training FLOPs per step: 6 x tokens x (matmul params) + attention scores/values (causal counts half)."""
+    """Training FLOPs per step: 6 x rows x (matmul params) + attention scores/values (causal counts half).
+
+    Seq2seq: encoder self-attention over the source, causal decoder self-attention over the target, and
+    cross-attention of every target token over the whole source.
+    """
     tokens = shp["batch"] * shp["seq"]
-    linear = 6 * tokens * sum(i * o for i, o in pair.linears)
+    linear = 6 * sum(i * o * (shape[0] if shape else tokens) for i, o, *shape in pair.linears)
     a = pair.attn
-    attn = 6 * 2 * shp["batch"] * shp["seq"] ** 2 * a["heads"] * a["head_dim"] * a["layers"]
-    if a["causal"]:
-        attn /= 2
-    return float(linear + attn)
+    per_pair = 6 * 2 * shp["batch"] * a["heads"] * a["head_dim"] * a["layers"]  # per (query, key) pair
+    if pair.kind == "seq2seq":
+        src, tgt = s2s_shapes(shp)
+        return float(linear + per_pair * (src**2 + tgt**2 / 2 + tgt * src))
+    return float(linear + per_pair * shp["seq"] ** 2 / (2 if a["causal"] else 1))
 
 
 def matmul_throughput(pair: Pair, shp: dict, dtype: torch.dtype, device: str, reps: int = 3) -> float:
     """FLOP/s of torch.matmul on the model's own GEMMs (forward and both backward GEMMs of each distinct linear)."""
-    m = shp["batch"] * shp["seq"]
-    counts: dict[tuple[int, int], int] = {}
-    for shape in pair.linears:
+    counts: dict[tuple[int, int, int], int] = {}
+    for i, o, *rows in pair.linears:
+        shape = (i, o, rows[0] if rows else shp["batch"] * shp["seq"])
         counts[shape] = counts.get(shape, 0) + 1
     total_flops = total_time = 0.0
-    for (i, o), count in counts.items():
+    for (i, o, m), count in counts.items():
         x = torch.randn(m, i, dtype=dtype, device=device)
         w = torch.randn(o, i, dtype=dtype, device=device)
         dy = torch.randn(m, o, dtype=dtype, device=device)
@@ -373,11 +432,11 @@ def run_pair_task(
         steps = {n: steps[n] for n in ("ours", "theirs")}
     # speedup of hf_tfm over the in-tree model (> 1: hf_tfm is faster)
     res["speedup"] = res["theirs"]["median_s"] / res["ours"]["median_s"]
-    if not args.no_memory and task in ("train", "cls_train", "prefill") and autocast is None:
+    if not args.no_memory and task in (*TRAIN_TASKS, "prefill") and autocast is None:
         for n, s in steps.items():
             res[n]["peak_mem_bytes"] = peak_step_memory(s, device)
         res["mem_ratio"] = res["ours"]["peak_mem_bytes"] / max(res["theirs"]["peak_mem_bytes"], 1)
-    if task in ("train", "cls_train") and autocast is None:
+    if task in TRAIN_TASKS and autocast is None:
         flops = train_flops(pair, shp)
         res["train_flops"] = flops
         if args.mm_tput.get((pair.name, args.cur_size)) is None:
@@ -463,7 +522,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="small", choices=[*SIZES, "all"], help="all = small and base")
     p.add_argument("--tasks", default=",".join(ALL_TASKS), help=f"comma list of {ALL_TASKS}")
-    p.add_argument("--pairs", default="llama,gpt2,bert,modernbert", help="comma list of llama,gpt2,bert,modernbert")
+    p.add_argument("--pairs", default=",".join(PAIR_TASKS), help=f"comma list of {','.join(PAIR_TASKS)}")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (CPU)")
@@ -530,7 +589,7 @@ def main(argv=None) -> dict:
                 r["notes"] = pair.notes
                 results.append(r)
                 print(fmt_row(r), file=sys.stderr, flush=True)
-                if args.bf16_autocast and task in ("train", "cls_train") and device == "cpu":
+                if args.bf16_autocast and task in TRAIN_TASKS and device == "cpu":
                     rb = run_pair_task(
                         pair, task, shp, args, device, vocab, torch.bfloat16, task + "_bf16_autocast", (task, None)
                     )

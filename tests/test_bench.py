@@ -42,10 +42,11 @@ def test_bench_tiny_end_to_end(tmp_path):
         assert math.isfinite(r["speedup"]) and r["speedup"] > 0, (pair, task)
         for side in ("ours", "theirs"):
             assert r[side]["median_s"] > 0 and r[side]["tokens_per_s"] > 0
-        if task in ("train", "cls_train", "prefill"):
+        if task in (*bench.TRAIN_TASKS, "prefill"):
             assert r["mem_ratio"] > 0 and r["ours"]["peak_mem_bytes"] > 0, (pair, task)
-        if task in ("train", "cls_train"):
+        if task in bench.TRAIN_TASKS:
             assert r["matmul_flops_per_s"] > 0
             assert r["ours"]["mm_frac"] > 0 and r["theirs"]["mm_frac"] > 0
     assert "| tiny | llama | decode_b1 |" in out["markdown"]
+    assert "| tiny | bart | s2s_generate_b8 | BartForConditionalGeneration |" in out["markdown"]
     assert out["machine"]["torch"] == torch.__version__
