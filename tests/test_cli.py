@@ -56,6 +56,7 @@ def test_demo_prints_summary(demo):
     for needle in ("model folder", str(out / "lm"), "perplexity", "sample generations", "test accuracy"):
         assert needle in summary
     assert "majority baseline" in summary and str(out / "loss_curves.png") in summary
+    assert "seq2seq" in summary and "word F1" in summary and str(out / "seq2seq") in summary
     assert no_partial_dirs(out.parent)
 
 
@@ -76,19 +77,24 @@ def test_demo_folders_load_without_hf_tfm(demo, tmp_path):
     stdout = run_without_hf_tfm(
         f"""
         import json, torch
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSequenceClassification
+        from transformers import AutoTokenizer
         lm = AutoModelForCausalLM.from_pretrained({str(out / "lm")!r}, trust_remote_code=True)
         tok = AutoTokenizer.from_pretrained({str(out / "lm")!r}, trust_remote_code=True)
         ids = lm.generate(**tok("def ", return_tensors="pt"), max_new_tokens=8, do_sample=False)
         clf = AutoModelForSequenceClassification.from_pretrained({str(out / "classifier")!r}, trust_remote_code=True)
         logits = clf(**tok(["Return the event loop."], return_tensors="pt")).logits
+        s2s = AutoModelForSeq2SeqLM.from_pretrained({str(out / "seq2seq")!r}, trust_remote_code=True)
+        source = tok(["Return the event loop."], return_tensors="pt")
+        named = s2s.generate(input_ids=source["input_ids"], attention_mask=source["attention_mask"])
         print(json.dumps({{"lm": type(lm).__module__, "new": ids.shape[1], "labels": logits.shape[-1],
-                           "clf": type(clf).__module__}}))
+                           "clf": type(clf).__module__, "s2s": type(s2s).__module__, "named": named.shape[1]}}))
         """,
         tmp_path,
     )
     report = json.loads(stdout.strip().splitlines()[-1])
     assert report["lm"].startswith("transformers_modules.") and report["clf"].startswith("transformers_modules.")
+    assert report["s2s"].startswith("transformers_modules.") and report["named"] > 1
     assert report["new"] > 1 and report["labels"] >= 5
 
 
@@ -129,6 +135,10 @@ def test_demo_metrics_beat_baseline(demo):
     assert metrics["lm"]["history"]["eval"][-1][1] < metrics["lm"]["history"]["eval"][0][1]  # it learned
     assert metrics["reloaded_class"].startswith("transformers_modules.")
     assert len(metrics["generations"]) == 4
+    s2s = metrics["seq2seq"]  # the quick profile trains too briefly to beat the baseline; the full demo does
+    assert 0 <= s2s["exact_match"] <= 1 and 0 <= s2s["word_f1"] <= 1 and s2s["baseline_target"].strip()
+    assert s2s["history"]["eval"][-1][1] < s2s["history"]["eval"][0][1]  # it learned
+    assert s2s["test_examples"] > 100 and len(s2s["examples"]) == 8
 
 
 @pytest.mark.slow
@@ -150,6 +160,8 @@ def test_demo_model_cards_name_metrics(demo):
     clf_card = (demo[0] / "classifier" / "README.md").read_text()
     assert "test accuracy" in clf_card and "majority-class baseline accuracy" in clf_card
     assert (demo[0] / "classifier" / "adapter" / "adapter_config.json").is_file()
+    s2s_card = (demo[0] / "seq2seq" / "README.md").read_text()
+    assert "encoder-decoder" in s2s_card and "AutoModelForSeq2SeqLM" in s2s_card and "word F1" in s2s_card
 
 
 def test_demo_refuses_a_foreign_output_dir(tmp_path, capsys):
@@ -174,6 +186,9 @@ def files(tmp_path):
     (tmp_path / "one_class.csv").write_text("text,label\nhello there,a\ngood bye,a\n")
     (tmp_path / "no_label.csv").write_text("text,tag\nhello there,a\ngood bye,b\n")
     (tmp_path / "other.jsonl").write_text(json.dumps({"text": "x", "label": "unseen"}))
+    (tmp_path / "pairs.jsonl").write_text(
+        "\n".join(json.dumps({"en": f"cat {i}", "de": f"Katze {i}"}) for i in range(9))
+    )
     return tmp_path
 
 
@@ -194,6 +209,34 @@ BAD_INPUTS = [
     (["classify", "nowhere", "hi"], "no such model folder"),
     (["push", "nowhere", "--repo-id", "a/b"], "no such model folder"),
     (["info", "nowhere"], "neither a preset"),
+    (["pretrain", "--task", "seq2seq", "--train-file", "pairs.jsonl"], "no source column 'source'"),
+    (["pretrain", "--task", "seq2seq", "--train-file", "empty.txt"], "the file is empty"),
+    (["finetune", "--task", "seq2seq", "--train-file", "good.jsonl", "--source-column", "text"], "no target column"),
+    (["pretrain", "--task", "seq2seq", "--train-file", "pairs.jsonl", "--text-column", "en"], "not --text-column"),
+    (["pretrain", "--train-file", "good.jsonl", "--source-column", "en"], "--source-column is for --task seq2seq"),
+    (["finetune", "--train-file", "good.jsonl", "--max-target-len", "8"], "--max-target-len is for --task seq2seq"),
+    (
+        [
+            "pretrain",
+            "--task",
+            "seq2seq",
+            "--train-file",
+            "pairs.jsonl",
+            "--source-column",
+            "en",
+            "--target-column",
+            "de",
+            "--config",
+            "tiny-decoder",
+            "--vocab-size",
+            "300",
+        ],
+        "--config tiny-decoder is not an encoder-decoder config",
+    ),
+    (
+        ["pretrain", "--train-file", "good.jsonl", "--config", "tiny-seq2seq", "--vocab-size", "300"],
+        "--config tiny-seq2seq is not an encoder or a decoder config",
+    ),
 ]
 
 
@@ -329,6 +372,60 @@ def test_info_on_preset_and_folder(user_models, capsys):
     text = capsys.readouterr().out
     assert "attention backends" in text and "sdpa" in text and "flash_attention_2" in text
     assert "export to in-tree transformers" in text
+
+
+@pytest.fixture(scope="module")
+def seq2seq_models(tmp_path_factory):
+    """A tiny encoder-decoder pretrained on .jsonl pairs, and a LoRA fine-tune of it on .csv pairs."""
+    root = tmp_path_factory.mktemp("s2s")
+    pairs = [{"doc": f"Return the item number {i}.", "name": f"get item {i}"} for i in range(40)]
+    (root / "pairs.jsonl").write_text("\n".join(json.dumps(p) for p in pairs))
+    (root / "pairs.csv").write_text("\n".join(["doc,name", *(f"Close file {i},close {i}" for i in range(30))]))
+    columns = ["--source-column", "doc", "--target-column", "name"]
+    s2s, tuned = root / "s2s", root / "tuned"
+    argv = ["pretrain", "--task", "seq2seq", "--train-file", str(root / "pairs.jsonl"), *columns]
+    assert main([*argv, "--output-dir", str(s2s), *TINY_TRAIN]) == 0
+    argv = ["finetune", "--task", "seq2seq", "--train-file", str(root / "pairs.csv"), *columns, "--model", str(s2s)]
+    assert main([*argv, "--output-dir", str(tuned), "--max-steps", "3", "--max-target-len", "8"]) == 0
+    return root, s2s, tuned
+
+
+def test_seq2seq_pretrain_and_finetune_write_complete_folders(seq2seq_models):
+    _, s2s, tuned = seq2seq_models
+    for folder in (s2s, tuned):
+        names = set(os.listdir(folder))
+        assert {
+            "config.json",
+            "model.safetensors",
+            "modeling.py",
+            "tokenizer.json",
+            "README.md",
+            "metrics.json",
+        } <= names
+        config = json.loads((folder / "config.json").read_text())
+        assert config["model_type"] == "hf_tfm_seq2seq" and config["architectures"] == ["TfmForConditionalGeneration"]
+        metrics = json.loads((folder / "metrics.json").read_text())
+        assert {"eval_loss", "exact_match", "word_f1", "baseline_exact_match", "baseline_word_f1"} <= set(metrics)
+        assert "word F1" in (folder / "README.md").read_text()
+    metrics = json.loads((tuned / "metrics.json").read_text())
+    assert metrics["lora"] is True and metrics["steps"] == 3 and (tuned / "adapter" / "adapter_config.json").is_file()
+    vocabulary = [json.loads((folder / "tokenizer.json").read_text())["model"] for folder in (s2s, tuned)]
+    assert vocabulary[0] == vocabulary[1]  # the checkpoint's tokenizer, reused
+
+
+def test_seq2seq_generate_and_info(seq2seq_models, capsys, user_models):
+    _, s2s, _ = seq2seq_models
+    assert main(["generate", str(s2s), "--prompt", "Return the item number 3.", "--greedy", "--no-stream"]) == 0
+    assert capsys.readouterr().out.strip() != "Return the item number 3."  # the decoder's text, not the prompt's
+    assert main(["info", str(s2s), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["kind"] == "encoder-decoder" and report["architecture"] == "TfmForConditionalGeneration"
+    assert set(report["integrations"]["export to in-tree transformers"]) == {"bart", "mbart", "marian"}
+    assert report["integrations"]["serving"]["vLLM (CPU)"][0] is False
+    _, lm, _ = user_models
+    argv = ["finetune", "--task", "seq2seq", "--train-file", str(seq2seq_models[0] / "pairs.csv"), "--model", str(lm)]
+    assert main([*argv, "--source-column", "doc", "--target-column", "name", "--output-dir", "x"]) == 1
+    assert "is not an encoder-decoder checkpoint" in capsys.readouterr().err
 
 
 def test_convert_exports_a_trained_folder_to_llama(user_models, capsys):
