@@ -1,14 +1,17 @@
-"""`from_torch`: turn a plain-PyTorch transformer (`nn.TransformerEncoder` plus embeddings and a head) into hf_tfm.
+"""`from_torch`: turn a plain-PyTorch transformer (`nn.TransformerEncoder` or `nn.Transformer`, plus embeddings and
+a head) into hf_tfm.
 
 A model written against `torch.nn` (the tutorial `TransformerClassifier`, a GPT built from `nn.TransformerEncoder`
-and a causal mask) becomes an ordinary hf_tfm model with the same weights and the same outputs, so `Trainer`,
+and a causal mask, a translation model built on `nn.Transformer`) becomes an ordinary hf_tfm model with the same
+weights and the same outputs, so `Trainer`,
 `generate()`, PEFT, `save_pretrained` and `push_to_hub` work on it. Every field of the torch modules is mapped
 exactly or refused with a `ValueError` that says what and why; nothing is approximated. Dropout is the exception
 that is reported, not refused: it does not change inference, and torch's dropout inside the feed-forward block has
 no place in hf_tfm's (a warning says so).
 
 What the torch modules cannot show is left to the caller: the torch model's forward. `embedding_scale` covers the
-tutorials' `embedding(src) * sqrt(d_model)`; the causal mask is implied by `task="causal-lm"`.
+tutorials' `embedding(src) * sqrt(d_model)`; the causal mask is implied by `task="causal-lm"` (and, for
+`nn.Transformer`, by `task="seq2seq-lm"`: its decoder runs with a causal `tgt_mask`).
 """
 
 from typing import Literal
@@ -18,9 +21,10 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.utils import logging
 
-from .configuration import TfmConfig
+from .configuration import TfmConfig, TfmSeq2SeqConfig
 from .modeling import (
     TfmForCausalLM,
+    TfmForConditionalGeneration,
     TfmForMaskedLM,
     TfmForSequenceClassification,
     TfmForTokenClassification,
@@ -36,6 +40,7 @@ TASKS: dict[str, type[TfmPreTrainedModel]] = {
     "token-classification": TfmForTokenClassification,
     "masked-lm": TfmForMaskedLM,
     "causal-lm": TfmForCausalLM,
+    "seq2seq-lm": TfmForConditionalGeneration,  # an nn.Transformer body
 }
 # torch's TransformerEncoderLayer runs exactly these two itself (its fast path special-cases them); anything else
 # is a custom activation. nn.GELU(approximate="tanh") is refused: torch's eval fast path computes it as exact gelu.
@@ -92,49 +97,66 @@ def from_torch(
     task: str = "feature-extraction",
     pooling: Literal["first", "mean", "last"] | None = None,
     embedding_scale: float = 1.0,
+    target_embed_tokens: nn.Embedding | None = None,
     **config_kwargs,
 ) -> TfmPreTrainedModel:
     """The hf_tfm model with the same architecture, weights and outputs as a plain-PyTorch transformer.
 
     Args:
         body: an `nn.TransformerEncoder` of `nn.TransformerEncoderLayer`s (`norm_first` either way, relu or gelu,
-            any `layer_norm_eps`, `bias`, `batch_first`, with or without its final `norm`).
-        embed_tokens: the token `nn.Embedding`; its `padding_idx` becomes `pad_token_id`.
+            any `layer_norm_eps`, `bias`, `batch_first`, with or without its final `norm`); or, with
+            `task="seq2seq-lm"`, an `nn.Transformer` (its encoder and decoder layers likewise).
+        embed_tokens: the token `nn.Embedding` (seq2seq: the source's); its `padding_idx` becomes `pad_token_id`.
         positions: an `nn.Embedding` or trainable `nn.Parameter` (learned positions), or a fixed sinusoidal table
             (a tensor of shape (length, d), (length, 1, d) or (1, length, d); its layout is detected).
             `None` is refused: hf_tfm has no position-free mode.
-        head: the output layer. `nn.Linear` for sequence and token classification and the causal LM (tied when
-            its weight is `embed_tokens.weight`); for sequence classification also `nn.Sequential(Linear(d, d),
-            activation, [LayerNorm(d)], [Dropout], Linear(d, labels))` (BERT's pooler); for the masked LM
+        head: the output layer. `nn.Linear` for sequence and token classification, the causal LM and the seq2seq
+            LM's generator (tied when its weight is the (target) token embeddings'); for sequence classification
+            also `nn.Sequential(Linear(d, d), activation, [LayerNorm(d)], [Dropout], Linear(d, labels))` (BERT's
+            pooler); for the masked LM
             `nn.Sequential(Linear(d, d), activation, LayerNorm(d), Linear(d, vocab))`, the transform
             `TfmForMaskedLM` has. `None` for feature extraction.
-        task: one of `TASKS`. "causal-lm" means the torch model runs the body with a causal mask.
+        task: one of `TASKS`. "causal-lm" means the torch model runs the body with a causal mask; "seq2seq-lm"
+            that it runs an `nn.Transformer` with a causal `tgt_mask` and the source's padding as
+            `src_key_padding_mask` and `memory_key_padding_mask`.
         pooling: sequence classification only: how the torch model reduces the sequence ("first", "mean" of real
             tokens, or "last" real token).
         embedding_scale: the factor the torch forward multiplies the token embeddings by (tutorials:
-            `math.sqrt(d_model)`); folded into the embedding weights, so it needs an untied head.
+            `math.sqrt(d_model)`): the `embedding_scale` knob (of both sides, for seq2seq).
+        target_embed_tokens: seq2seq only: the target's token `nn.Embedding`; `None` or `embed_tokens` itself
+            means one table for both sides (`share_encoder_decoder_embeddings`).
         config_kwargs: further `TfmConfig` fields the torch modules do not hold (`id2label`, `bos_token_id`,
-            `eos_token_id`, `pad_token_id` when the embedding has no `padding_idx`, ...), and dropout rates.
+            `eos_token_id`, `pad_token_id` when the embedding has no `padding_idx`, ...), and dropout rates;
+            seq2seq: `TfmSeq2SeqConfig` fields (`decoder_start_token_id`, token ids) and side fields.
 
     Returns:
         The `TASKS[task]` model, in the body's train/eval mode, dtype and device.
     """
-    if isinstance(body, (nn.Transformer, nn.TransformerDecoder)):
-        raise NotImplementedError(
-            f"from_torch got an {type(body).__name__}: importing a seq2seq model (task 'seq2seq-lm') needs hf_tfm's "
-            "encoder-decoder model, which does not exist yet. Encoder-only bodies (nn.TransformerEncoder) import now."
-        )
-    if type(body) is not nn.TransformerEncoder:
-        raise ValueError(
-            f"`body` must be an nn.TransformerEncoder, got {type(body).__name__}: a subclass or another module may "
-            "run a forward hf_tfm does not reproduce."
-        )
     if task not in TASKS:
         raise ValueError(f"`task` must be one of {list(TASKS)}, got {task!r}.")
+    if isinstance(body, nn.TransformerDecoder):
+        raise ValueError(
+            "an nn.TransformerDecoder alone has no encoder to attend to: import the whole nn.Transformer with "
+            "task='seq2seq-lm'."
+        )
+    if (type(body) is nn.Transformer) != (task == "seq2seq-lm"):
+        raise ValueError(
+            f"`task='seq2seq-lm'` goes with an nn.Transformer body and only with one; got task={task!r} and a "
+            f"{type(body).__name__}."
+        )
     if (pooling is not None) != (task == "sequence-classification"):
         raise ValueError(
             f"`pooling` ('first', 'mean' or 'last') is required for sequence classification and only there; got "
             f"pooling={pooling!r} with task={task!r}."
+        )
+    if task == "seq2seq-lm":
+        return _seq2seq(body, embed_tokens, target_embed_tokens, positions, head, embedding_scale, config_kwargs)
+    if target_embed_tokens is not None:
+        raise ValueError("`target_embed_tokens` is for task 'seq2seq-lm' (an nn.Transformer's target side).")
+    if type(body) is not nn.TransformerEncoder:
+        raise ValueError(
+            f"`body` must be an nn.TransformerEncoder, got {type(body).__name__}: a subclass or another module may "
+            "run a forward hf_tfm does not reproduce."
         )
 
     kwargs = _layers_config(body)
@@ -144,14 +166,9 @@ def from_torch(
     if body.norm is not None:
         state.update(_norm_state(body.norm, "norm", d, kwargs, "the final `norm` of the encoder"))
 
-    kwargs.update(_embedding_config(embed_tokens, d))
+    kwargs.update(_embedding_config(embed_tokens, d), embedding_scale=embedding_scale)
     tied = head is not None and _output_linear(head).weight is embed_tokens.weight
-    if embedding_scale != 1.0 and tied:
-        raise ValueError(
-            f"`embedding_scale`={embedding_scale} is folded into the embedding weights, which the tied head shares: "
-            "the output layer would be scaled too. hf_tfm has no embedding-scale knob; untie the head first."
-        )
-    state["embed_tokens.weight"] = embed_tokens.weight.detach() * embedding_scale
+    state["embed_tokens.weight"] = embed_tokens.weight.detach()
     position_kwargs, position_state = _positions(positions, d)
     kwargs.update(position_kwargs)
     state.update(position_state)
@@ -181,15 +198,89 @@ def from_torch(
     return model.to(parameter.device).train(body.training)
 
 
+def _seq2seq(
+    body: nn.Transformer,
+    embed_tokens: nn.Embedding,
+    target_embed_tokens: nn.Embedding | None,
+    positions,
+    head: nn.Module | None,
+    embedding_scale: float,
+    config_kwargs: dict,
+) -> TfmForConditionalGeneration:
+    """An nn.Transformer with its embeddings, positions and generator as a TfmForConditionalGeneration."""
+    if type(body.encoder) is not nn.TransformerEncoder or type(body.decoder) is not nn.TransformerDecoder:
+        raise ValueError("`body` has a custom encoder or decoder: only nn.TransformerEncoder/Decoder stacks import.")
+    target_embed_tokens = embed_tokens if target_embed_tokens is None else target_embed_tokens
+    if isinstance(positions, nn.Embedding) or (isinstance(positions, nn.Parameter) and positions.requires_grad):
+        raise ValueError(
+            "learned `positions` shared by source and target: hf_tfm keeps one position table per side, which "
+            "would train apart. Use sinusoidal positions, or import a model whose sides have tables of their own."
+        )
+    sides, state = {}, {}
+    for side, stack, tokens in (
+        ("encoder", body.encoder, embed_tokens),
+        ("decoder", body.decoder, target_embed_tokens),
+    ):
+        kwargs = _layers_config(stack)
+        d = kwargs["hidden_size"]
+        layer_state = _layers_state(stack)
+        kwargs["final_norm"] = stack.norm is not None
+        if stack.norm is not None:
+            layer_state.update(_norm_state(stack.norm, "norm", d, kwargs, f"the final `norm` of the {side}"))
+        kwargs.update(_embedding_config(tokens, d), embedding_scale=embedding_scale)
+        layer_state["embed_tokens.weight"] = tokens.weight.detach()
+        position_kwargs, position_state = _positions(positions, d)
+        sides[side] = {**kwargs, **position_kwargs}
+        state.update({f"model.{side}.{name}": tensor for name, tensor in {**layer_state, **position_state}.items()})
+    if head is None or type(head) is not nn.Linear:
+        raise ValueError(
+            f"task 'seq2seq-lm' needs `head`, the generator: one nn.Linear(d, target vocabulary); got {head}."
+        )
+    shared = target_embed_tokens is embed_tokens
+    tied = head.weight is target_embed_tokens.weight
+    head_kwargs, head_state = _head(head, "causal-lm", sides["decoder"]["hidden_size"], sides["decoder"])
+    sides["decoder"].update(head_kwargs)
+    state.update(head_state)
+    # The torch modules name no special tokens: none are invented. The sides take the token ids and other TfmConfig
+    # fields of `config_kwargs` (the seq2seq config derives its own ids from the decoder's); it takes the rest.
+    own = set(TfmSeq2SeqConfig.__dataclass_fields__) - set(TfmConfig.__dataclass_fields__)
+    top = {name: config_kwargs.pop(name) for name in list(config_kwargs) if name in own}
+    for side in sides.values():
+        clashes = sorted(set(config_kwargs) & set(side) - OVERRIDABLE)
+        if clashes:
+            raise ValueError(f"{clashes} are read from the torch modules; change the modules, not the config.")
+        side.update({"pad_token_id": None, "bos_token_id": None, "eos_token_id": None, **side, **config_kwargs})
+    config = TfmSeq2SeqConfig(
+        encoder=sides["encoder"],
+        decoder=sides["decoder"],
+        share_encoder_decoder_embeddings=shared,
+        tie_word_embeddings=tied,
+        **top,
+    )
+    parameter = next(body.parameters())
+    model = TfmForConditionalGeneration(config).to(parameter.dtype)
+    if shared:
+        del state["model.decoder.embed_tokens.weight"]
+    if tied:
+        del state["lm_head.weight"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - set(model.all_tied_weights_keys):
+        raise ValueError(
+            f"from_torch mapped the nn.Transformer incompletely: missing {missing}, unexpected {unexpected}"
+        )
+    return model.to(parameter.device).train(body.training)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
-# The encoder layers
+# The encoder and decoder layers
 
 
-def _layers_config(body: nn.TransformerEncoder) -> dict:
+def _layers_config(body: nn.TransformerEncoder | nn.TransformerDecoder) -> dict:
     """The TfmConfig fields every layer agrees on, or a `ValueError` naming the first field where they differ."""
     if len(body.layers) == 0:
         raise ValueError("`body` has no layers.")
-    configs = [_layer_config(layer, i) for i, layer in enumerate(body.layers)]
+    layer_class = nn.TransformerDecoderLayer if isinstance(body, nn.TransformerDecoder) else nn.TransformerEncoderLayer
+    configs = [_layer_config(layer, i, layer_class) for i, layer in enumerate(body.layers)]
     for i, config in enumerate(configs[1:], start=1):
         differ = sorted(k for k in config if config[k] != configs[0][k])
         if differ:
@@ -200,18 +291,33 @@ def _layers_config(body: nn.TransformerEncoder) -> dict:
     return {**configs[0], "num_hidden_layers": len(configs)}
 
 
-def _layer_config(layer: nn.Module, i: int) -> dict:
-    if type(layer) is not nn.TransformerEncoderLayer:
+def _attention_config(attn: nn.MultiheadAttention, i: int, what: str) -> dict:
+    if not attn._qkv_same_embed_dim or attn.in_proj_weight is None:
+        raise ValueError(f"Layer {i}: {what} with kdim/vdim != embed_dim has no hf_tfm equivalent.")
+    if attn.bias_k is not None or attn.add_zero_attn:
+        raise ValueError(f"Layer {i}: `add_bias_kv` / `add_zero_attn` {what} has no hf_tfm equivalent.")
+    return {
+        "num_attention_heads": attn.num_heads,
+        "attention_bias": attn.in_proj_bias is not None,
+        "attention_out_bias": attn.out_proj.bias is not None,
+        "attention_dropout": float(attn.dropout),
+    }
+
+
+def _layer_config(layer: nn.Module, i: int, layer_class: type = nn.TransformerEncoderLayer) -> dict:
+    if type(layer) is not layer_class:
         raise ValueError(
-            f"Layer {i} is a {type(layer).__name__}, not an nn.TransformerEncoderLayer: a custom layer class may run "
+            f"Layer {i} is a {type(layer).__name__}, not an {layer_class.__name__}: a custom layer class may run "
             "a forward hf_tfm does not reproduce."
         )
-    attn = layer.self_attn
-    d = attn.embed_dim
-    if not attn._qkv_same_embed_dim or attn.in_proj_weight is None:
-        raise ValueError(f"Layer {i}: self-attention with kdim/vdim != embed_dim has no hf_tfm equivalent.")
-    if attn.bias_k is not None or attn.add_zero_attn:
-        raise ValueError(f"Layer {i}: `add_bias_kv` / `add_zero_attn` attention has no hf_tfm equivalent.")
+    decoder = layer_class is nn.TransformerDecoderLayer
+    d = layer.self_attn.embed_dim
+    attention = _attention_config(layer.self_attn, i, "self-attention")
+    if decoder and _attention_config(layer.multihead_attn, i, "cross-attention") != attention:
+        raise ValueError(
+            f"Layer {i}: `multihead_attn` differs from `self_attn` in heads, biases or dropout: hf_tfm's "
+            "cross-attention is built like its self-attention."
+        )
     linear1, linear2 = layer.linear1, layer.linear2
     if (linear1.bias is None) != (linear2.bias is None):
         raise ValueError(f"Layer {i}: `linear1` and `linear2` must both have a bias or both not (one `mlp_bias`).")
@@ -220,16 +326,18 @@ def _layer_config(layer: nn.Module, i: int) -> dict:
             f"Layer {i}: mismatched sizes: linear1 {linear1.in_features}->{linear1.out_features}, linear2 "
             f"{linear2.in_features}->{linear2.out_features}, d_model {d}."
         )
-    norms = {name: getattr(layer, name) for name in ("norm1", "norm2")}
+    norms = {name: getattr(layer, name) for name in ("norm1", "norm2", "norm3")[: 3 if decoder else 2]}
     for name, norm in norms.items():
         if type(norm) is not nn.LayerNorm or tuple(norm.normalized_shape) != (d,):
             raise ValueError(f"Layer {i}: `{name}` must be an nn.LayerNorm over d_model={d}, got {norm}.")
-    if norms["norm1"].eps != norms["norm2"].eps or _has_bias(norms["norm1"]) != _has_bias(norms["norm2"]):
-        raise ValueError(f"Layer {i}: `norm1` and `norm2` differ in eps or bias (hf_tfm has one `norm_eps`).")
-    if layer.dropout1.p != layer.dropout2.p:
+    first = norms["norm1"]
+    if any(n.eps != first.eps or _has_bias(n) != _has_bias(first) for n in norms.values()):
+        raise ValueError(f"Layer {i}: the norms differ in eps or bias (hf_tfm has one `norm_eps`).")
+    dropouts = [getattr(layer, f"dropout{k}").p for k in range(1, len(norms) + 1)]
+    if len(set(dropouts)) > 1:
         logger.warning(
-            f"Layer {i}: dropout1 ({layer.dropout1.p}) != dropout2 ({layer.dropout2.p}); hf_tfm has one "
-            "`hidden_dropout` and uses dropout1's. This changes training only."
+            f"Layer {i}: the residual dropouts differ ({dropouts}); hf_tfm has one `hidden_dropout` and uses "
+            "dropout1's. This changes training only."
         )
     if layer.dropout.p > 0 and i == 0:
         logger.warning(
@@ -238,18 +346,15 @@ def _layer_config(layer: nn.Module, i: int) -> dict:
         )
     return {
         "hidden_size": d,
-        "num_attention_heads": attn.num_heads,
+        **attention,
         "intermediate_size": linear1.out_features,
         "norm_type": "layernorm",
-        "norm_eps": norms["norm1"].eps,
-        "norm_bias": _has_bias(norms["norm1"]),
+        "norm_eps": first.eps,
+        "norm_bias": _has_bias(first),
         "norm_position": "pre" if layer.norm_first else "post",
         "ffn_type": "mlp",
         "hidden_act": _layer_activation(layer.activation, i),
-        "attention_bias": attn.in_proj_bias is not None,
-        "attention_out_bias": attn.out_proj.bias is not None,
         "mlp_bias": linear1.bias is not None,
-        "attention_dropout": float(attn.dropout),
         "hidden_dropout": float(layer.dropout1.p),
     }
 
@@ -273,22 +378,32 @@ def _has_bias(norm: nn.LayerNorm) -> bool:
     return norm.bias is not None or not norm.elementwise_affine
 
 
-def _layers_state(body: nn.TransformerEncoder) -> dict[str, torch.Tensor]:
+def _layers_state(body: nn.TransformerEncoder | nn.TransformerDecoder) -> dict[str, torch.Tensor]:
     state = {}
     for i, layer in enumerate(body.layers):
-        attn, prefix, d = layer.self_attn, f"layers.{i}.", layer.self_attn.embed_dim
-        # in_proj stacks the q, k and v projections row-wise: [q; k; v], each (d, d).
-        for name, weight in zip(("q", "k", "v"), attn.in_proj_weight.detach().split(d), strict=True):
-            state[f"{prefix}self_attn.{name}_proj.weight"] = weight
-        if attn.in_proj_bias is not None:
-            for name, bias in zip(("q", "k", "v"), attn.in_proj_bias.detach().split(d), strict=True):
-                state[f"{prefix}self_attn.{name}_proj.bias"] = bias
-        state.update(_linear_state(attn.out_proj, f"{prefix}self_attn.o_proj"))
+        prefix = f"layers.{i}."
+        state.update(_attention_state(layer.self_attn, f"{prefix}self_attn"))
         state.update(_linear_state(layer.linear1, f"{prefix}mlp.up_proj"))
         state.update(_linear_state(layer.linear2, f"{prefix}mlp.down_proj"))
         state.update(_norm_state(layer.norm1, f"{prefix}attn_norm"))
-        state.update(_norm_state(layer.norm2, f"{prefix}mlp_norm"))
+        if isinstance(layer, nn.TransformerDecoderLayer):  # norm2 follows cross-attention, norm3 the feed-forward
+            state.update(_attention_state(layer.multihead_attn, f"{prefix}encoder_attn"))
+            state.update(_norm_state(layer.norm2, f"{prefix}cross_attn_norm"))
+            state.update(_norm_state(layer.norm3, f"{prefix}mlp_norm"))
+        else:
+            state.update(_norm_state(layer.norm2, f"{prefix}mlp_norm"))
     return state
+
+
+def _attention_state(attn: nn.MultiheadAttention, name: str) -> dict[str, torch.Tensor]:
+    # in_proj stacks the q, k and v projections row-wise: [q; k; v], each (d, d).
+    d, state = attn.embed_dim, {}
+    for projection, weight in zip(("q", "k", "v"), attn.in_proj_weight.detach().split(d), strict=True):
+        state[f"{name}.{projection}_proj.weight"] = weight
+    if attn.in_proj_bias is not None:
+        for projection, bias in zip(("q", "k", "v"), attn.in_proj_bias.detach().split(d), strict=True):
+            state[f"{name}.{projection}_proj.bias"] = bias
+    return {**state, **_linear_state(attn.out_proj, f"{name}.o_proj")}
 
 
 def _linear_state(linear: nn.Linear, name: str) -> dict[str, torch.Tensor]:

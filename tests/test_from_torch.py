@@ -146,10 +146,11 @@ def compare(torch_model: TorchModel, model, ids: torch.Tensor) -> float:
 # Every task with every combination of norm_first, final norm and position kind; the activation (string or function)
 # and batch_first vary along with them, so each appears with every task and both layer layouts.
 ACTIVATIONS = ["relu", F.gelu, "gelu", F.relu]
+ENCODER_TASKS = [task for task in TASKS if task != "seq2seq-lm"]  # nn.Transformer bodies: see the end of the file
 GRID = [
     (task, norm_first, final_norm, positions, ACTIVATIONS[i % 4], i % 3 != 0)
     for i, (task, norm_first, final_norm, positions) in enumerate(
-        itertools.product(TASKS, [False, True], [False, True], ["learned", "interleaved", "halves"])
+        itertools.product(ENCODER_TASKS, [False, True], [False, True], ["learned", "interleaved", "halves"])
     )
 ]
 
@@ -220,8 +221,26 @@ def test_variants_bias_free_eps_odd_width_tied_mlm():
     assert compare(torch_model, model, padded_batch()) < 1e-5
 
 
+def test_tied_causal_lm_with_embedding_scale():
+    """`embedding(ids) * scale` with the head sharing the embedding: the knob scales the lookup, not the head."""
+    torch_model = TorchModel("causal-lm", tied=True)
+    ids = padded_batch()
+    with torch.no_grad():
+        x = torch_model.eval().embed(ids) * 2.0 + torch_model.positions.weight[: ids.shape[1]]
+        causal = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool), 1)
+        expected = torch_model.head(torch_model.body(x, mask=causal, src_key_padding_mask=ids == 0, is_causal=True))
+    model = hf_tfm.from_torch(
+        torch_model.body, embed_tokens=torch_model.embed, positions=torch_model.positions, head=torch_model.head,
+        task="causal-lm", embedding_scale=2.0,
+    )  # fmt: skip
+    assert model.config.embedding_scale == 2.0 and model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.no_grad():
+        logits = model.eval()(input_ids=ids, attention_mask=(ids != 0).long()).logits
+    assert (logits - expected)[ids != 0].abs().max().item() < 1e-5
+
+
 def test_classifier_with_pooler_head_and_embedding_scale():
-    """BERT's pooler as an nn.Sequential head, and the tutorials' `embedding(src) * sqrt(d_model)` folded in."""
+    """BERT's pooler as an nn.Sequential head, and the tutorials' `embedding(src) * sqrt(d_model)`."""
     torch_model = TorchModel("sequence-classification", pooling="first")
     torch_model.head = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Dropout(0.1), nn.Linear(D, 3))
     ids = padded_batch()
@@ -261,7 +280,7 @@ class MyLayer(nn.TransformerEncoderLayer):
 
 def test_refusals():
     """Everything hf_tfm cannot reproduce exactly is refused, saying what and why."""
-    refusal("encoder-decoder model", body=nn.Transformer(D, HEADS, 1, 1, FF))
+    refusal("`task='seq2seq-lm'` goes with an nn.Transformer body", body=nn.Transformer(D, HEADS, 1, 1, FF))
     refusal(
         "custom activation",
         body=nn.TransformerEncoder(nn.TransformerEncoderLayer(D, HEADS, FF, activation=torch.tanh), 1),
@@ -272,7 +291,13 @@ def test_refusals():
     refusal("not a sinusoidal one", positions=torch.randn(MAX_LEN, D))
     refusal("vocabulary", head=nn.Linear(D, VOCAB + 1))
     refusal("`pooling`", pooling="first")
-    refusal("`task` must be one of", task="seq2seq-lm")
+    refusal("`task` must be one of", task="translation")
+    refusal("goes with an nn.Transformer body", task="seq2seq-lm")
+    refusal(
+        "an nn.TransformerDecoder alone has no encoder",
+        body=nn.TransformerDecoder(nn.TransformerDecoderLayer(D, HEADS, FF), 1),
+    )
+    refusal("`target_embed_tokens` is for task 'seq2seq-lm'", target_embed_tokens=nn.Embedding(VOCAB, D))
     refusal(
         "eps", body=nn.TransformerEncoder(nn.TransformerEncoderLayer(D, HEADS, FF), 1, norm=nn.LayerNorm(D, eps=1e-6))
     )
@@ -282,12 +307,6 @@ def test_refusals():
         hf_tfm.from_torch(
             torch_model.body, embed_tokens=torch_model.embed, positions=torch_model.positions,
             head=nn.Linear(D, VOCAB), task="masked-lm",
-        )  # fmt: skip
-    tied = TorchModel("causal-lm", tied=True)
-    with pytest.raises(ValueError, match="untie"):
-        hf_tfm.from_torch(
-            tied.body, embed_tokens=tied.embed, positions=tied.positions, head=tied.head, task="causal-lm",
-            embedding_scale=2.0,
         )  # fmt: skip
     layers = TorchModel("feature-extraction").body
     layers.layers[1].self_attn = nn.MultiheadAttention(D, 2, batch_first=True)
@@ -365,3 +384,115 @@ def test_causal_lm_import_is_exported_nowhere_with_a_head_bias():
     assert all(
         any("lm_head_bias" in b for b in found) for found in export_blockers(model.config, "causal_lm").values()
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# nn.Transformer (task "seq2seq-lm")
+
+TARGET_VOCAB = 77
+
+
+class TorchSeq2Seq(nn.Module):
+    """The tutorials' translation model: source and target embeddings * sqrt(d) + one sinusoidal table ->
+    nn.Transformer (causal `tgt_mask`, padding masks) -> a generator Linear over the target vocabulary."""
+
+    def __init__(
+        self, norm_first=False, activation="relu", batch_first=True, shared=True, tied=False, layout="interleaved"
+    ):
+        super().__init__()
+        self.batch_first = batch_first
+        self.src_embed = nn.Embedding(VOCAB, D, padding_idx=0)
+        self.tgt_embed = self.src_embed if shared else nn.Embedding(TARGET_VOCAB, D, padding_idx=0)
+        table = tutorial_table(MAX_LEN, D) if layout == "interleaved" else sinusoidal_table(MAX_LEN, D, "halves")
+        self.register_buffer("pe", table.float().reshape(MAX_LEN, -1))
+        self.transformer = nn.Transformer(
+            D, HEADS, num_encoder_layers=3, num_decoder_layers=2, dim_feedforward=FF, dropout=0.0,
+            activation=activation, batch_first=batch_first, norm_first=norm_first,
+        )  # fmt: skip
+        self.generator = nn.Linear(D, self.tgt_embed.num_embeddings)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.normal_(0.0, 0.2)
+        if tied:
+            self.generator.weight = self.tgt_embed.weight
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        scale = math.sqrt(D)
+        s = self.src_embed(src) * scale + self.pe[: src.shape[1]]
+        t = self.tgt_embed(tgt) * scale + self.pe[: tgt.shape[1]]
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        if not self.batch_first:
+            s, t = s.transpose(0, 1), t.transpose(0, 1)
+        out = self.transformer(
+            s, t, tgt_mask=causal, src_key_padding_mask=src == 0, tgt_key_padding_mask=tgt == 0,
+            memory_key_padding_mask=src == 0, tgt_is_causal=True,
+        )  # fmt: skip
+        return self.generator(out if self.batch_first else out.transpose(0, 1))
+
+    def imported(self, **kwargs):
+        target = None if self.tgt_embed is self.src_embed else self.tgt_embed
+        return hf_tfm.from_torch(
+            self.transformer, embed_tokens=self.src_embed, target_embed_tokens=target, positions=self.pe,
+            head=self.generator, task="seq2seq-lm", embedding_scale=math.sqrt(D), **kwargs,
+        )  # fmt: skip
+
+
+SEQ2SEQ_CASES = {
+    "post-relu-shared": {},
+    "pre-gelu-seq-first-own-vocab": {"norm_first": True, "activation": "gelu", "batch_first": False, "shared": False},
+    "post-gelu-own-vocab-tied-halves": {"activation": F.gelu, "shared": False, "tied": True, "layout": "halves"},
+    "pre-relu-shared-tied": {"norm_first": True, "tied": True},
+}
+
+
+@pytest.mark.parametrize("case", list(SEQ2SEQ_CASES))
+def test_nn_transformer_imports_with_the_same_logits(case):
+    torch_model = TorchSeq2Seq(**SEQ2SEQ_CASES[case]).eval()
+    model = torch_model.imported(decoder_start_token_id=1).eval()
+    config = model.config
+    assert type(model).__name__ == "TfmForConditionalGeneration"
+    assert (config.encoder.num_hidden_layers, config.decoder.num_hidden_layers) == (3, 2)
+    assert config.encoder.final_norm and config.decoder.final_norm  # nn.Transformer always has both
+    assert config.share_encoder_decoder_embeddings is (torch_model.tgt_embed is torch_model.src_embed)
+    assert config.tie_word_embeddings is (torch_model.generator.weight is torch_model.tgt_embed.weight)
+    src, tgt = padded_batch(), padded_batch([5, 3, 6], seed=1) % torch_model.tgt_embed.num_embeddings
+    tgt[tgt == 0] = 0
+    with torch.no_grad():
+        expected = torch_model(src, tgt)
+        logits = model(
+            input_ids=src, attention_mask=(src != 0).long(), decoder_input_ids=tgt,
+            decoder_attention_mask=(tgt != 0).long(),
+        ).logits  # fmt: skip
+    real = tgt != 0
+    assert (logits - expected)[real].abs().max().item() < 1e-5
+
+
+def test_nn_transformer_import_generates_like_a_torch_loop():
+    torch_model = TorchSeq2Seq(norm_first=True, shared=False).eval()
+    model = torch_model.imported(decoder_start_token_id=1).eval()
+    src = padded_batch()
+    tgt = torch.ones(len(src), 1, dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(12):  # greedy decoding as a torch user writes it: the whole target again at every step
+            tgt = torch.cat([tgt, torch_model(src, tgt)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        generated = model.generate(input_ids=src, attention_mask=(src != 0).long(), max_new_tokens=12, do_sample=False)
+    assert torch.equal(generated, tgt)
+
+
+def test_nn_transformer_refusals():
+    torch_model = TorchSeq2Seq()
+    kwargs = {
+        "body": torch_model.transformer, "embed_tokens": torch_model.src_embed, "positions": torch_model.pe,
+        "head": torch_model.generator, "task": "seq2seq-lm",
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="learned `positions` shared by source and target"):
+        hf_tfm.from_torch(**{**kwargs, "positions": nn.Embedding(MAX_LEN, D)})
+    with pytest.raises(ValueError, match="needs `head`, the generator"):
+        hf_tfm.from_torch(**{**kwargs, "head": None})
+    with pytest.raises(ValueError, match="`pooling`"):
+        hf_tfm.from_torch(**kwargs, pooling="first")
+    layer = torch_model.transformer.decoder.layers[1]
+    layer.multihead_attn = nn.MultiheadAttention(D, HEADS, bias=False, batch_first=True)
+    with pytest.raises(ValueError, match=r"Layer 1: `multihead_attn` differs from `self_attn`"):
+        hf_tfm.from_torch(**kwargs)
