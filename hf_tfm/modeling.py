@@ -479,9 +479,10 @@ class TfmBlock(GradientCheckpointingLayer):
         encoder_attention_mask: torch.Tensor | None,
         cross_cache: EncoderDecoderCache | None,
     ) -> torch.Tensor:
-        return self.encoder_attn(x, encoder_attention_mask, cache=cross_cache, key_value_states=encoder_hidden_states)[
-            0
-        ]
+        out, _ = self.encoder_attn(
+            x, encoder_attention_mask, cache=cross_cache, key_value_states=encoder_hidden_states
+        )
+        return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -758,11 +759,11 @@ class TfmModel(TfmPreTrainedModel):
                 cache = EncoderDecoderCache(cache, DynamicCache())
         paged = isinstance(cache, PagedAttentionCache)  # continuous batching: positions and masks come prepared
         if paged and (self.alibi is not None or not config.is_causal or config.add_cross_attention):
-            knob = {self.alibi is not None: "position_embedding_type='alibi'", not config.is_causal: "is_causal=False"}
+            knob = "position_embedding_type='alibi'" if self.alibi is not None else "is_causal=False"
+            knob = "add_cross_attention=True" if config.add_cross_attention else knob
             raise ValueError(
-                f"`{knob.get(True, 'add_cross_attention=True')}` cannot run under continuous batching: its paged "
-                "attention is causal self-attention with no position bias. Use generate(), or a causal "
-                "rope/learned/sinusoidal decoder-only model."
+                f"`{knob}` cannot run under continuous batching: its paged attention is causal self-attention with "
+                "no position bias. Use generate(), or a causal rope/learned/sinusoidal decoder-only model."
             )
         self_cache = cache  # what self-attention, positions and masks read: the decoder's own tokens
         if isinstance(cache, EncoderDecoderCache):
