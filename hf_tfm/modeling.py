@@ -425,6 +425,9 @@ class TfmTopKRouter(nn.Module):
             top_k_weights = top_k_weights.to(router_logits.dtype)
         return router_logits, top_k_weights, top_k_index
 
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[1]} -> {self.num_experts} experts, top-{self.top_k}"
+
 
 @use_experts_implementation
 class TfmExperts(nn.Module):
@@ -458,6 +461,10 @@ class TfmExperts(nn.Module):
             current = current * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, current.to(out.dtype))
         return out
+
+    def extra_repr(self) -> str:
+        experts, width, hidden = self.gate_up_proj.shape
+        return f"{experts} x ({hidden} -> 2 x {width // 2} -> {hidden})"
 
 
 class TfmSparseMoeBlock(nn.Module):
@@ -1029,7 +1036,8 @@ class TfmHeadModel(TfmPreTrainedModel):
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> ModelOutput:
         """A head's output with the mixture-of-experts load-balancing loss, where router logits were recorded
-        (`output_router_logits`): `aux_loss`, `router_logits`, and `loss + router_aux_loss_coef * aux_loss`.
+        (`output_router_logits`): `aux_loss`, `router_logits`, and `loss + router_aux_loss_coef * aux_loss`. An MoE
+        model always returns the MoE output class (`MoeCausalLMOutputWithPast`, ...); a dense one its dense class.
 
         Under Trainer's gradient accumulation and DDP (`num_items_in_batch`, the step's label count that the head's
         loss divides by), `aux_loss` joins the loss with this batch's share of those labels (`loss_labels`, counted
@@ -1037,8 +1045,8 @@ class TfmHeadModel(TfmPreTrainedModel):
         would weigh it by the accumulation steps times the processes.
         """
         router_logits = getattr(backbone_output, "router_logits", None)
-        if router_logits is None:
-            return output
+        if router_logits is None and self.config.num_experts is None:
+            return output  # a dense model, and no router logits asked for
         loss, aux_loss = output.get("loss"), None
         if router_logits:  # empty when no layer is sparse
             mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 else None
