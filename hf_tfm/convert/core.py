@@ -368,7 +368,8 @@ def to_hf(model: TfmPreTrainedModel | str | Path) -> PreTrainedModel:
     blockers = export_blockers(config, head)
     name = next((name for name, found in blockers.items() if not found and head in FAMILIES[name].classes), None)
     if name is None:
-        ranked = sorted(blockers.items(), key=lambda item: len(item[1]))
+        moe = config.num_experts is not None  # closest among the families with (or without) experts, first
+        ranked = sorted(blockers.items(), key=lambda item: (FAMILIES[item[0]].moe is not moe, len(item[1])))
         closest, found = ranked[0]
         others = "; ".join(f"{n}: {len(b)} knobs" for n, b in ranked[1:])
         raise ValueError(

@@ -106,9 +106,13 @@ def _qwen2_moe_to_hf(config: TfmConfig, head: str) -> dict:
         output_router_logits=config.output_router_logits,
         **token_dropout_to_hf(config, head),
     )
-    if "sliding_attention" in config.layer_types:  # the layer list itself: Qwen2-MoE's own rule is not Qwen2's
+    sliding = [i for i, t in enumerate(config.layer_types) if t == "sliding_attention"]
+    if sliding:  # the layer list itself; `max_window_layers` as small as Qwen2-MoE's rule allows for it
         kwargs.update(
-            use_sliding_window=True, sliding_window=config.sliding_window, layer_types=list(config.layer_types)
+            use_sliding_window=True,
+            sliding_window=config.sliding_window,
+            max_window_layers=sliding[-1] + 1,
+            layer_types=list(config.layer_types),
         )
     return kwargs
 
