@@ -590,3 +590,46 @@ def test_tp_and_ep_plans_match_the_model_and_cover_the_experts(qk_norm_scope):
     gathered = tp_plan["layers.*.self_attn.q_proj"] == "colwise_gather_output"
     assert gathered is (qk_norm_scope == "projection")  # a norm over all heads needs them gathered (as OLMoE)
     assert TfmConfig.base_model_tp_plan["layers.*.self_attn.q_proj"] == "colwise"  # the class plan is unchanged
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Two processes (gloo): DDP with Trainer, tensor and expert parallelism
+
+
+@pytest.mark.slow
+def test_torchrun_ddp_matches_the_replayed_steps(tmp_path):
+    """2-process DDP with Trainer == the steps replayed in one process from the batches each rank trained on, with
+    each rank's aux loss weighted by its share of the step's tokens; a plain sum of the ranks' aux losses differs."""
+    from test_distributed import launch, torchrun
+
+    launch(torchrun("train_ddp_moe.py", str(tmp_path)), tmp_path)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["world_size"] == 2 and result["parallel_mode"] == "ParallelMode.DISTRIBUTED"
+    assert result["wrapper"] == "DistributedDataParallel" and result["replicas_equal"]
+    assert result["batch_sizes"] == [[4, 4]] * 4
+    for loss, reference in zip(result["losses"], result["reference_losses"], strict=True):
+        assert abs(loss - reference) < 1e-5
+    assert result["max_weight_diff"] < 1e-5
+    assert result["max_weight_diff_summed_aux"] > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("mode", ["tp", "ep"])
+def test_tensor_and_expert_parallel_logits_equal_one_process(tmp_path, mode, implementation):
+    """DistributedConfig(tp_size=2) shards each expert's width (packed [gate; up]); expert parallelism puts half the
+    experts on each rank. Both give the single-process logits."""
+    from test_distributed import launch, torchrun
+
+    torch.manual_seed(0)
+    config = moe_config(vocab_size=98, mlp_only_layers=[0], shared_expert_intermediate_size=24)
+    TfmForCausalLM(config).save_pretrained(tmp_path / "model")
+    out = tmp_path / "result.json"
+    launch(torchrun("moe_parallel.py", str(tmp_path / "model"), str(out), mode, implementation), tmp_path)
+    result = json.loads(out.read_text())
+    assert result["implementation"] == implementation
+    if mode == "tp":
+        assert result["local_gate_up_proj"] == [4, 16, 32] and result["local_num_experts"] == 4  # 2 x 16 / 2 ranks
+    else:
+        assert result["local_gate_up_proj"] == [2, 32, 32] and result["local_num_experts"] == 2
+    assert result["max_logit_diff"] < 1e-5
