@@ -558,6 +558,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         return 0
     print(f"{report['source']}")
     print(f"  parameters: {report['parameters']:,} ({report['kind']})")
+    if report["experts"]:
+        experts = report["experts"]
+        print(
+            f"  active parameters per token: {report['active_parameters']:,} (top-{experts['num_experts_per_tok']} "
+            f"of {experts['num_experts']} experts in layers {experts['sparse_layers']})"
+        )
     print("  config:")
     for key, value in report["config"].items():
         print(f"    {key}: {value}")

@@ -331,6 +331,19 @@ def test_generate_with_router_logits_in_the_config():
         assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **kwargs), expected)
 
 
+@pytest.mark.parametrize("attn", ["paged|sdpa", "paged|eager"])
+def test_continuous_batching_equals_generate(attn):
+    """All requests packed in one row of a paged cache: routing is per token, so the tokens are generate()'s."""
+    from test_serving import PROMPTS, generate_batch, generate_each
+
+    model = moe_model(experts="grouped_mm", shared_expert_intermediate_size=24, mlp_only_layers=[0])
+    expected = generate_each(model)
+    model.set_attn_implementation(attn)
+    got = generate_batch(model)
+    assert [out.error for out in got] == [None] * len(PROMPTS)
+    assert [out.generated_tokens for out in got] == expected
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Saving and loading
 
@@ -590,6 +603,32 @@ def test_tp_and_ep_plans_match_the_model_and_cover_the_experts(qk_norm_scope):
     gathered = tp_plan["layers.*.self_attn.q_proj"] == "colwise_gather_output"
     assert gathered is (qk_norm_scope == "projection")  # a norm over all heads needs them gathered (as OLMoE)
     assert TfmConfig.base_model_tp_plan["layers.*.self_attn.q_proj"] == "colwise"  # the class plan is unchanged
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# hf-tfm
+
+
+def test_info_reports_total_and_active_parameters(capsys):
+    from hf_tfm.cli import main
+    from hf_tfm.presets import load_config
+
+    assert main(["info", "small-moe", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    config = load_config("small-moe")
+    experts, top_k, hidden = config.num_experts, config.num_experts_per_tok, config.hidden_size
+    with torch.device("meta"):
+        total = sum(p.numel() for p in TfmForCausalLM(config).parameters())
+        top_k_only = TfmForCausalLM(load_config("small-moe", num_experts=top_k))  # k experts per layer, all active
+        active = sum(p.numel() for p in top_k_only.parameters()) + (experts - top_k) * hidden * 4  # + full routers
+    assert (report["parameters"], report["active_parameters"]) == (total, active)
+    assert report["experts"] == {"num_experts": 8, "num_experts_per_tok": 2, "sparse_layers": [0, 1, 2, 3]}
+    assert report["integrations"]["experts kernels"]["grouped_mm"][0]
+    assert main(["info", "small-moe"]) == 0
+    assert f"active parameters per token: {active:,} (top-2 of 8 experts" in capsys.readouterr().out
+    assert main(["info", "small-decoder", "--json"]) == 0
+    dense = json.loads(capsys.readouterr().out)
+    assert dense["active_parameters"] == dense["parameters"] and dense["experts"] is None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
