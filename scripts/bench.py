@@ -12,8 +12,9 @@ Pairs: each in-tree model is built from its config (random weights, no dropout),
   dense+act+norm head), all layers global attention (``layer_types``), as ``train_flops`` counts
 - ``mixtral``: ``MixtralForCausalLM``, the llama pair's shape with a mixture of 8 SwiGLU experts in every layer, top-2,
   each half the llama FFN's width (the same active FFN FLOPs per token); ``train_flops`` counts the active parameters
-  (router + 2 experts per token). Both sides run transformers' default experts kernel; an extra row times hf_tfm's
-  train step and prefill on each kernel (eager, batched_mm, grouped_mm) in the same interleaved rounds
+  (router + 2 experts per token). Both sides run transformers' default experts kernel; extra rows time hf_tfm's
+  train step and prefill on the eager and grouped_mm kernels, and batch-8 decoding on those and batched_mm, each in
+  interleaved rounds
 
 Every matmul has the same shape on both sides, so FLOPs match. The one layout difference (GPT-2's Conv1D ``x @ W`` and
 fused ``c_attn`` where hf_tfm has ``nn.Linear`` and separate q/k/v) is listed in the JSON ``notes``, with BERT's pooler
@@ -99,6 +100,9 @@ CAUSAL_PAIRS = ("llama", "gpt2", "mixtral")
 NUM_LABELS = 2
 NUM_EXPERTS, TOP_K = 8, 2
 EXPERTS_KERNELS = ("eager", "batched_mm", "grouped_mm")
+# batched_mm gathers each token's top-k expert weights (tokens x k x 3 x H x I floats: 2.9 GB per layer for the small
+# train step), so it is timed where few tokens go through the experts at once: decoding.
+KERNELS_BY_TASK = {"train": ("eager", "grouped_mm"), "prefill": ("eager", "grouped_mm"), "decode_b8": EXPERTS_KERNELS}
 
 
 def glu_intermediate(hidden: int) -> int:
@@ -621,11 +625,11 @@ def main(argv=None) -> dict:
 
 
 def experts_kernels(pair: Pair, tasks, shp: dict, args, device: str, vocab: int, size: str) -> list[dict]:
-    """hf_tfm's train step and prefill on each experts kernel, interleaved round by round (medians, ms)."""
+    """hf_tfm's steps on each experts kernel of `KERNELS_BY_TASK`, interleaved round by round (medians, ms)."""
     rows = []
     model = pair.ours
     default = model.config._experts_implementation
-    for task in [t for t in ("train", "prefill") if t in tasks]:
+    for task in [t for t in KERNELS_BY_TASK if t in tasks]:
         print(f"[bench] {size} {pair.name} {task} per experts kernel ...", file=sys.stderr, flush=True)
         inner = make_step(model, task, shp, vocab, device, None)
 
@@ -636,7 +640,7 @@ def experts_kernels(pair: Pair, tasks, shp: dict, args, device: str, vocab: int,
 
             return step
 
-        steps = {kernel: on(kernel) for kernel in EXPERTS_KERNELS}
+        steps = {kernel: on(kernel) for kernel in KERNELS_BY_TASK[task]}
         for s in steps.values():
             s()
         times = interleaved(steps, args.rounds)
