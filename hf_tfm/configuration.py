@@ -285,7 +285,7 @@ class TfmConfig(PreTrainedConfig):
                 "output_router_logits": False,
             }
             for name, default in ignored.items():
-                if getattr(self, name) != default:
+                if getattr(self, name) not in (default, []):  # [] and None: no dense-only layers
                     raise ValueError(f"`{name}` needs `num_experts` (no layer has experts, so it would be ignored).")
             return
         if self.num_experts <= 0:

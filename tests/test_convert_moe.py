@@ -156,6 +156,30 @@ def test_bf16_logits_are_bit_identical(case, experts):
         assert not torch.equal(outputs(ours, inputs)[0], outputs(reference, inputs)[0])
 
 
+def test_mixtral_router_jitter_matches_in_training_mode():
+    """Mixtral's training-time jitter multiplies the block's input by U(1 - eps, 1 + eps): the same draws, the same
+    losses and gradients, and none in eval mode."""
+    reference = build("mixtral-lm", router_jitter_noise=0.2)
+    ours = from_hf(reference)
+    assert ours.config.router_jitter_noise == 0.2
+    inputs, mask = padded_batch()
+    labels = inputs["input_ids"].masked_fill(mask == 0, -100)
+    losses = []
+    for model in (reference, ours):
+        model.train()
+        torch.manual_seed(3)
+        loss = model(**inputs, labels=labels).loss
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], atol=ATOL, rtol=0)
+    grad_theirs = reference.model.layers[0].mlp.gate.weight.grad
+    torch.testing.assert_close(ours.model.layers[0].mlp.gate.weight.grad, grad_theirs, atol=1e-6, rtol=0)
+    torch.manual_seed(4)
+    assert not torch.equal(ours(**inputs, labels=labels).loss, losses[1])  # the noise really is drawn
+    ours.eval()
+    assert torch.equal(outputs(ours, inputs)[0], outputs(ours, inputs)[0])
+
+
 IGNORED_CONFIG_KEYS = {"architectures", "transformers_version", "_name_or_path", "dtype"}
 
 
