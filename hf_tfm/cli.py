@@ -734,6 +734,15 @@ def cmd_info(args: argparse.Namespace) -> int:
         return 0
     print(f"{report['source']}")
     print(f"  parameters: {report['parameters']:,} ({report['kind']})")
+    sides = report["experts"] if report["kind"] == "encoder-decoder" else {"": report["experts"]}
+    where = [
+        f"top-{e['num_experts_per_tok']} of {e['num_experts']} experts in {side + ' ' if side else ''}layers "
+        f"{e['sparse_layers']}"
+        for side, e in sides.items()
+        if e
+    ]
+    if where:
+        print(f"  active parameters per token: {report['active_parameters']:,} ({'; '.join(where)})")
     print("  config:")
     for key, value in report["config"].items():
         print(f"    {key}: {value}")

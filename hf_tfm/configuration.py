@@ -11,7 +11,7 @@ from typing import Literal
 
 from huggingface_hub.dataclasses import strict
 from huggingface_hub.errors import StrictDataclassError
-from transformers import PreTrainedConfig
+from transformers import DistributedConfig, PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -27,6 +27,22 @@ EXTRA_CONFIG_KEYS = {
     "rope_theta",
     "rope_scaling",
     "num_labels",
+}
+# Expert parallelism of the mixture-of-experts layers, as the release's in-tree MoE models declare it: 5.19 added
+# token dispatch (`DistributedConfig.ep_size`, the `ep_dispatch_experts` style) and later releases removed the
+# router-masking plan (`ep_router` + an all-reduce) that is all 5.16 has.
+if "ep_size" in DistributedConfig.__dataclass_fields__:
+    MOE_EP_PLAN = {"layers.*.mlp.experts": "ep_dispatch_experts"}
+else:
+    MOE_EP_PLAN = {"layers.*.mlp.gate": "ep_router", "layers.*.mlp.experts": "moe_tp_experts"}
+MOE_EP_PLAN |= {"layers.*.mlp.experts.gate_up_proj": "grouped_gemm", "layers.*.mlp.experts.down_proj": "grouped_gemm"}
+# A q/k norm over the whole projection (`qk_norm_scope="projection"`) needs every head: the projections are gathered
+# before it and split again before `o_proj`, as OLMoE's plan does.
+PROJECTION_QK_NORM_TP_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise_gather_output",
+    "layers.*.self_attn.k_proj": "colwise_gather_output",
+    "layers.*.self_attn.v_proj": "colwise_gather_output",
+    "layers.*.self_attn.o_proj": "rowwise_split_input",
 }
 
 
@@ -56,7 +72,13 @@ class TfmConfig(PreTrainedConfig):
         "layers.*.mlp.gate_proj": "colwise",
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
+        # Mixture-of-experts layers (`num_experts`): experts sharded on their width, as Mixtral / Qwen2-MoE; the router
+        # and the shared expert are replicated.
+        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.experts.down_proj": "rowwise",
+        "layers.*.mlp.experts": "moe_tp_experts",
     }
+    base_model_ep_plan = MOE_EP_PLAN
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
@@ -107,6 +129,21 @@ class TfmConfig(PreTrainedConfig):
     hidden_act: str = "silu"
     mlp_bias: bool = False
 
+    # --- mixture of experts (Switch Transformer arXiv:2101.03961, Mixtral arXiv:2401.04088): a router sends each token
+    # to its top-k of `num_experts` gated (glu) experts. None: every layer has the dense feed-forward. Names as in
+    # Qwen2-MoE / Mixtral; `is_sparse_layer` says which layers have experts.
+    num_experts: int | None = None
+    num_experts_per_tok: int = 2  # top-k
+    moe_intermediate_size: int | None = None  # each expert's width; None: `intermediate_size`
+    shared_expert_intermediate_size: int | None = None  # a sigmoid-gated dense expert every token uses (Qwen2-MoE)
+    norm_topk_prob: bool = True  # renormalise the top-k probabilities to sum to 1 (Mixtral; Qwen2-MoE, OLMoE: False)
+    router_weights_fp32: bool = False  # scale expert outputs by fp32 routing weights (Mixtral), else the hidden dtype
+    router_jitter_noise: float = 0.0  # training only: the block's input times U(1 - noise, 1 + noise) (Mixtral)
+    mlp_only_layers: list[int] | None = None  # layers that keep the dense feed-forward
+    decoder_sparse_step: int = 1  # every step-th layer is sparse: (i + 1) % step == 0 (Qwen2-MoE; encoders too)
+    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss the heads add to their loss
+    output_router_logits: bool = False  # return the router logits and `aux_loss` without being asked
+
     # --- attention
     attention_bias: bool = False  # bias on q/k/v projections
     attention_out_bias: bool | None = None  # bias on o_proj; None: same as attention_bias (Qwen2 sets False)
@@ -115,7 +152,9 @@ class TfmConfig(PreTrainedConfig):
     is_causal: bool = True  # True: decoder (causal LM); False: bidirectional encoder
     sliding_window: int | None = None  # decoder: self + (window - 1) previous tokens; encoder: +-window tokens
     layer_types: list[str] | None = None  # per layer "full_attention" / "sliding_attention"; None: all one kind
-    qk_norm: bool = False  # per-head norm of queries and keys before RoPE (OLMo2/Qwen3 style stabiliser)
+    qk_norm: bool = False  # a norm of queries and keys before RoPE (a stabiliser: Qwen3, OLMo2, OLMoE)
+    # ... over each head's `head_dim` values (Qwen3, Gemma 3), or over the whole q / k projection (OLMo2, OLMoE)
+    qk_norm_scope: Literal["head", "projection"] = "head"
     parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)), as GPT-J/NeoX/PaLM
     # A decoder that also attends to an encoder's output: each block gets `encoder_attn` (+ its norm) between the
     # self-attention and the FFN. `TfmSeq2SeqConfig` sets it on its decoder; BERT's knob of the same name.
@@ -156,6 +195,10 @@ class TfmConfig(PreTrainedConfig):
                 self.intermediate_size = 4 * self.hidden_size
         if self.attention_out_bias is None:
             self.attention_out_bias = self.attention_bias
+        if self.num_experts is not None and self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
+        if self.qk_norm and self.qk_norm_scope == "projection":
+            self.base_model_tp_plan = {**self.base_model_tp_plan, **PROJECTION_QK_NORM_TP_PLAN}
         if self.classifier_pooling is None:
             self.classifier_pooling = "last" if self.is_causal else "first"
         if self.final_norm is None:
@@ -249,7 +292,52 @@ class TfmConfig(PreTrainedConfig):
             raise ValueError(
                 "`classifier_pooling='first'` sees only the first token in a causal decoder; use 'last' or 'mean'."
             )
+        if self.qk_norm_scope != "head" and not self.qk_norm:
+            raise ValueError(f"`qk_norm_scope={self.qk_norm_scope!r}` needs `qk_norm=True` (it would be ignored).")
+        self._validate_moe()
         self._validate_attn_implementation(self._attn_implementation)
+
+    def _validate_moe(self) -> None:
+        """The mixture-of-experts knobs: sizes, top-k, sparse layers; none of them set on a dense config."""
+        if self.num_experts is None:
+            ignored = {
+                "moe_intermediate_size": None,
+                "shared_expert_intermediate_size": None,
+                "mlp_only_layers": None,
+                "decoder_sparse_step": 1,
+                "router_weights_fp32": False,
+                "router_jitter_noise": 0.0,
+                "output_router_logits": False,
+            }
+            for name, default in ignored.items():
+                if getattr(self, name) not in (default, []):  # [] and None: no dense-only layers
+                    raise ValueError(f"`{name}` needs `num_experts` (no layer has experts, so it would be ignored).")
+            return
+        if self.num_experts <= 0:
+            raise ValueError(f"`num_experts` must be positive or None (dense), got {self.num_experts}.")
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"`num_experts_per_tok` must lie in [1, `num_experts`={self.num_experts}], "
+                f"got {self.num_experts_per_tok}."
+            )
+        for name in ("moe_intermediate_size", "shared_expert_intermediate_size", "decoder_sparse_step"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"`{name}` must be positive, got {getattr(self, name)}.")
+        outside = sorted({i for i in self.mlp_only_layers or () if not 0 <= i < self.num_hidden_layers})
+        if outside:
+            raise ValueError(
+                f"`mlp_only_layers` has layer indices {outside} outside [0, "
+                f"num_hidden_layers={self.num_hidden_layers})."
+            )
+        if self.router_aux_loss_coef < 0:
+            raise ValueError(f"`router_aux_loss_coef` must be >= 0, got {self.router_aux_loss_coef}.")
+        if not 0.0 <= self.router_jitter_noise < 1.0:
+            raise ValueError(f"`router_jitter_noise` must be in [0, 1), got {self.router_jitter_noise}.")
+        # Every in-tree MoE family has bias-free gated experts: transformers' fused kernels take that layout.
+        if self.ffn_type != "glu":
+            raise ValueError(f"`ffn_type={self.ffn_type!r}` with `num_experts`: experts are gated; use 'glu'.")
+        if self.mlp_bias:
+            raise ValueError("`mlp_bias=True` with `num_experts`: experts have no biases; use mlp_bias=False.")
 
     def validate_rope(self) -> None:
         """transformers' RoPE checks (an even `head_dim`, scaling keys), only where RoPE is used: an odd `head_dim` is
@@ -326,6 +414,14 @@ class TfmConfig(PreTrainedConfig):
     def rope_per_layer_type(self) -> bool:
         """True when `rope_parameters` is nested by layer type (one RoPE per entry of `layer_types`)."""
         return bool(self.rope_parameters) and any(key in LAYER_TYPES for key in self.rope_parameters)
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` has a mixture-of-experts feed-forward (Qwen2-MoE's rule) or the dense one."""
+        return (
+            self.num_experts is not None
+            and layer_idx not in (self.mlp_only_layers or ())
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def num_kv_groups(self) -> int:

@@ -13,6 +13,7 @@ import torch
 
 from . import modeling
 from .configuration import TfmConfig, TfmSeq2SeqConfig
+from .modeling import TfmSparseMoeBlock
 from .presets import PRESETS, load_config
 
 Support = tuple[bool, str]
@@ -148,11 +149,26 @@ def _serving(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> dict[st
         vllm = (True, "embeddings (runner='pooling', CLS pooling)")
     else:
         vllm = (False, f"vLLM serves causal LMs and encoder embeddings, not {architecture}")
+    if vllm[0] and config.num_experts is not None:  # vLLM swaps experts modules for its own fused kernels
+        vllm = (
+            False,
+            "mixture-of-experts layers: not checked with vLLM (tests/test_serving_vllm.py serves dense models)",
+        )
     if vllm[0] and config.head_dim not in VLLM_CPU_HEAD_DIMS:
         vllm_cpu = (False, f"head_dim {config.head_dim}: vLLM's CPU attention takes {list(VLLM_CPU_HEAD_DIMS)}")
     else:
         vllm_cpu = vllm
     return {"continuous batching": batching, "vLLM (GPU)": vllm, "vLLM (CPU)": vllm_cpu}
+
+
+def _experts(config: TfmConfig) -> dict[str, Any] | None:
+    if config.num_experts is None:
+        return None
+    return {
+        "num_experts": config.num_experts,
+        "num_experts_per_tok": config.num_experts_per_tok,
+        "sparse_layers": [i for i in range(config.num_hidden_layers) if config.is_sparse_layer(i)],
+    }
 
 
 def describe(target: str) -> dict[str, Any]:
@@ -161,6 +177,13 @@ def describe(target: str) -> dict[str, Any]:
     with torch.device("meta"):
         model = getattr(modeling, architecture)(config)
     parameters = sum(p.numel() for p in model.parameters())
+    # Each token runs `num_experts_per_tok` of each sparse layer's experts; everything else (embeddings included, as
+    # Mixtral's "active parameters" count them) runs for every token.
+    idle_experts = [
+        (m.experts.num_experts - m.gate.top_k, m.experts) for m in model.modules() if isinstance(m, TfmSparseMoeBlock)
+    ]
+    active = parameters - sum(idle * (m.gate_up_proj[0].numel() + m.down_proj[0].numel()) for idle, m in idle_experts)
+    moe = next((side for side in _sides(config) if side.num_experts is not None), None)
     shown = {k: v for k, v in config.to_diff_dict().items() if k not in ("auto_map", "transformers_version")}
     seq2seq = isinstance(config, TfmSeq2SeqConfig)
     if seq2seq:  # each side as what it sets beyond TfmConfig's defaults
@@ -184,11 +207,36 @@ def describe(target: str) -> dict[str, Any]:
             "tensor parallel plan": (True, "base_model_tp_plan (DistributedConfig(tp_size=...))"),
         },
     }
+    if moe is not None:
+        integrations["training"]["PEFT LoRA"] = (
+            True,
+            "attention / dense projections by target_modules; experts and router by target_parameters "
+            "(mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.weight); 'all-linear' skips them",
+        )
+        integrations["training"]["expert parallel plan"] = (True, "base_model_ep_plan (the release's EP styles)")
+        integrations["training"]["load-balancing loss"] = (
+            (False, "the encoder-decoder's loss adds none (its sides' router logits are not collected)")
+            if seq2seq
+            else (
+                moe.output_router_logits,
+                f"router_aux_loss_coef={moe.router_aux_loss_coef}"
+                + ("" if moe.output_router_logits else "; added only with output_router_logits=True"),
+            )
+        )
+        integrations["experts kernels"] = {
+            "grouped_mm": (True, "default (the fastest on CPU); torch grouped GEMM, CUDA SM80+"),
+            "batched_mm": (True, "gathers each token's expert weights: memory-heavy for training and long prompts"),
+            "eager": (True, "a loop over the experts that got tokens"),
+        }
     return {
         "source": source,
         "architecture": architecture,
         "kind": "encoder-decoder" if seq2seq else "decoder" if config.is_causal else "encoder",
         "parameters": parameters,
+        "active_parameters": active,  # per token: equals `parameters` without experts
+        "experts": {side: _experts(getattr(config, side)) for side in ("encoder", "decoder")}
+        if seq2seq
+        else _experts(config),
         "config": shown,
         "integrations": integrations,
     }

@@ -1,10 +1,10 @@
 """hf_tfm models: one configurable transformer stack (encoder or decoder) with Hugging Face heads.
 
-Every variant is decided in one place: `NORM_CLASSES` picks the norm, `TfmMLP` the feed-forward, `TfmModel.__init__`
-the position scheme, `TfmBlock.forward` the residual layout. Attention goes through transformers' attention interface
-and masks through its masking utilities, so eager, sdpa, flex and flash kernels, KV caches and packing all come from
-transformers. This file imports only torch, transformers and `.configuration`: a saved checkpoint carries it as remote
-code and loads where hf_tfm is not installed.
+Every variant is decided in one place: `NORM_CLASSES` picks the norm, `make_ffn` the feed-forward (dense `TfmMLP` or
+mixture of experts), `TfmModel.__init__` the position scheme, `TfmBlock.forward` the residual layout. Attention goes
+through transformers' attention interface and masks through its masking utilities, so eager, sdpa, flex and flash
+kernels, KV caches and packing all come from transformers. This file imports only torch, transformers and
+`.configuration`: a saved checkpoint carries it as remote code and loads where hf_tfm is not installed.
 """
 
 import functools
@@ -13,6 +13,7 @@ import math
 import shutil
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,8 +22,10 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache, StaticLayer
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.integrations import use_experts_implementation
 from transformers.integrations.sdpa_attention import repeat_kv  # (B, H_kv, S, D) -> (B, H, S, D) for GQA
 from transformers.masking_utils import (
     create_bidirectional_mask,
@@ -40,6 +43,9 @@ from transformers.modeling_outputs import (
     BaseModelOutputWithPoolingAndCrossAttentions,
     CausalLMOutputWithPast,
     MaskedLMOutput,
+    ModelOutput,
+    MoeCausalLMOutputWithPast,
+    MoeModelOutputWithPast,
     QuestionAnsweringModelOutput,
     Seq2SeqLMOutput,
     Seq2SeqModelOutput,
@@ -322,9 +328,11 @@ class TfmAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.attention_out_bias)
-        self.qk_norm = config.qk_norm
-        self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else nn.Identity()
-        self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else nn.Identity()
+        # None, or the q/k norm's scope: each head's values ("head"), or the whole projection ("projection", OLMoE)
+        self.qk_norm = config.qk_norm_scope if config.qk_norm else None
+        per_head = self.qk_norm == "head"
+        self.q_norm = make_norm(config, self.head_dim if per_head else q_dim) if config.qk_norm else nn.Identity()
+        self.k_norm = make_norm(config, self.head_dim if per_head else kv_dim) if config.qk_norm else nn.Identity()
 
     def forward(
         self,
@@ -339,14 +347,11 @@ class TfmAttention(nn.Module):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)  # -1 heads: tensor parallelism shards the head count
 
-        query = self.q_proj(hidden_states).view(hidden_shape)
+        query = self._project(self.q_proj, self.q_norm, hidden_states, hidden_shape)
         if self.is_cross_attention:  # no positions: a source token's keys are the same for every target token
-            query = self.q_norm(query) if self.qk_norm else query
             key, value = self._cross_key_value(key_value_states, cache)
             return self._attend(query.transpose(1, 2), key, value, attention_mask, input_shape, **kwargs)
-        key = self.k_proj(hidden_states).view(hidden_shape)
-        if self.qk_norm:  # no Identity module calls when off (per-token decode overhead)
-            query, key = self.q_norm(query), self.k_norm(key)
+        key = self._project(self.k_proj, self.k_norm, hidden_states, hidden_shape)
         query, key = query.transpose(1, 2), key.transpose(1, 2)  # (B, H, T, D), (B, H_kv, T, D)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H_kv, T, D)
 
@@ -363,6 +368,14 @@ class TfmAttention(nn.Module):
             kwargs["position_bias"] = position_bias
         return self._attend(query, key, value, attention_mask, input_shape, **kwargs)
 
+    def _project(self, proj: nn.Linear, norm: nn.Module, states: torch.Tensor, shape: tuple) -> torch.Tensor:
+        """(B, T, C) -> (B, T, heads, D) queries or keys, normed over the whole projection or per head (qk_norm)."""
+        x = proj(states)
+        if self.qk_norm == "projection":
+            x = norm(x)
+        x = x.view(shape)
+        return norm(x) if self.qk_norm == "head" else x  # no Identity module call when off (decode overhead)
+
     def _cross_key_value(
         self, states: torch.Tensor, cache: EncoderDecoderCache | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -371,9 +384,7 @@ class TfmAttention(nn.Module):
             layer = cache.cross_attention_cache.layers[self.layer_idx]
             return layer.keys, layer.values
         kv_shape = (*states.shape[:-1], -1, self.head_dim)
-        key = self.k_proj(states).view(kv_shape)
-        if self.qk_norm:
-            key = self.k_norm(key)
+        key = self._project(self.k_proj, self.k_norm, states, kv_shape)
         key, value = key.transpose(1, 2), self.v_proj(states).view(kv_shape).transpose(1, 2)  # (B, H_kv, S, D)
         if cache is not None:
             key, value = cache.cross_attention_cache.update(key, value, self.layer_idx)
@@ -409,10 +420,10 @@ class TfmAttention(nn.Module):
 class TfmMLP(nn.Module):
     """Feed-forward: `mlp` is down(act(up(x))); `glu` is down(act(gate(x)) * up(x)) (SwiGLU, GeGLU)."""
 
-    def __init__(self, config: TfmConfig) -> None:
+    def __init__(self, config: TfmConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         self.is_glu = config.ffn_type == "glu"
-        h, i = config.hidden_size, config.intermediate_size
+        h, i = config.hidden_size, intermediate_size or config.intermediate_size
         self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias) if self.is_glu else None
         self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
@@ -422,6 +433,201 @@ class TfmMLP(nn.Module):
         if self.is_glu:
             return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
         return self.down_proj(self.act_fn(self.up_proj(x)))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Mixture of experts (`num_experts`; Switch Transformer arXiv:2101.03961, Mixtral arXiv:2401.04088). A router picks
+# each token's top-k experts; the experts are fused 3-D parameters run by transformers' experts interface, chosen per
+# call by `config._experts_implementation` (eager, batched_mm, grouped_mm, ...). Module and parameter names are
+# Qwen2-MoE's, so PEFT targets, the TP / EP plans and the saved checkpoint layout are those of the in-tree MoE models.
+
+
+class TfmTopKRouter(nn.Module):
+    """Linear router: softmax over all experts in fp32, then the top-k probabilities as routing weights.
+
+    Not an `nn.Linear` (as in-tree routers): `target_modules="all-linear"` leaves it alone; LoRA reaches it through
+    `target_parameters=["mlp.gate.weight"]`. Returns `(router_logits, top_k_weights, top_k_index)`, logits first for
+    the `router_logits` recorder.
+    """
+
+    def __init__(self, config: TfmConfig) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.num_experts
+        self.norm_topk_prob = config.norm_topk_prob
+        self.weights_fp32 = config.router_weights_fp32
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        router_logits = nn.functional.linear(hidden_states, self.weight)  # (T, E), in the hidden dtype
+        probs = nn.functional.softmax(router_logits, dim=-1, dtype=torch.float32)
+        top_k_weights, top_k_index = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
+        if self.norm_topk_prob:
+            top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True)
+        if not self.weights_fp32:  # Mixtral scales the expert outputs in fp32; Qwen2-MoE and OLMoE in the hidden dtype
+            top_k_weights = top_k_weights.to(router_logits.dtype)
+        return router_logits, top_k_weights, top_k_index
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[1]} -> {self.num_experts} experts, top-{self.top_k}"
+
+
+@use_experts_implementation
+class TfmExperts(nn.Module):
+    """`num_experts` gated FFNs as 3-D parameters, each expert in `nn.Linear` (out, in) layout: `gate_up_proj`
+    (E, 2 I, H) holds [gate; up], `down_proj` (E, H, I). `forward` is the eager path; the decorator dispatches to the
+    configured implementation on every call, so `set_experts_implementation` takes effect at once."""
+
+    def __init__(self, config: TfmConfig) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts  # the local count under expert parallelism (rewritten by its plan)
+        h, i = config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(config.num_experts, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(config.num_experts, h, i))
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)  # (T, H)
+        with torch.no_grad():
+            # Index `num_experts` is expert parallelism's "routed to another rank" sentinel: counted, then skipped.
+            expert_mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()  # (E + 1, k, T) -> hit experts
+        for expert_idx in expert_hit:
+            expert_idx = expert_idx[0]
+            if expert_idx == self.num_experts:
+                continue
+            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+            gate, up = nn.functional.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
+            current = nn.functional.linear(self.act_fn(gate) * up, self.down_proj[expert_idx])
+            current = current * top_k_weights[token_idx, top_k_pos, None]
+            out.index_add_(0, token_idx, current.to(out.dtype))
+        return out
+
+    def extra_repr(self) -> str:
+        experts, width, hidden = self.gate_up_proj.shape
+        return f"{experts} x ({hidden} -> 2 x {width // 2} -> {hidden})"
+
+
+class TfmSparseMoeBlock(nn.Module):
+    """Routed experts, plus (with `shared_expert_intermediate_size`) a dense expert every token uses, scaled by a
+    sigmoid gate (Qwen2-MoE)."""
+
+    def __init__(self, config: TfmConfig) -> None:
+        super().__init__()
+        self.jitter_noise = config.router_jitter_noise
+        self.gate = TfmTopKRouter(config)
+        self.experts = TfmExperts(config)
+        self.shared_expert = self.shared_expert_gate = None
+        if config.shared_expert_intermediate_size is not None:
+            self.shared_expert = TfmMLP(config, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        if self.training and self.jitter_noise > 0:  # Mixtral: the experts see the jittered input too
+            noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+            hidden_states = hidden_states * noise
+        hidden_states = hidden_states.reshape(-1, shape[-1])  # (B * T, H): routing is per token
+        _, top_k_weights, top_k_index = self.gate(hidden_states)
+        out = self.experts(hidden_states, top_k_index, top_k_weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(hidden_states)) * self.shared_expert(hidden_states)
+        return out.reshape(shape)
+
+
+def make_ffn(config: TfmConfig, layer_idx: int) -> nn.Module:
+    """The feed-forward of layer `layer_idx`: experts where `config.is_sparse_layer(layer_idx)`, else `TfmMLP`."""
+    return TfmSparseMoeBlock(config) if config.is_sparse_layer(layer_idx) else TfmMLP(config)
+
+
+def load_balancing_loss_func(
+    gate_logits: tuple[torch.Tensor, ...],
+    num_experts: int,
+    top_k: int,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss (arXiv:2101.03961, eqs. 4-6) over every sparse layer's router logits.
+
+    E * sum_e f_e * P_e, with f_e the share of top-k assignments to expert e and P_e its mean router probability,
+    counting real tokens only when a 2-D `attention_mask` is given; perfect balance gives `top_k`. The same function
+    as transformers' (a copy of the one in its in-tree MoE models, which no stable module exports; a test checks it).
+    """
+    device = gate_logits[0].device
+    # histc instead of bincount: no device-to-host sync; CPU takes floats, GPUs need ints to be deterministic.
+    histc_dtype = torch.float32 if device.type in ("cpu", "mps") else torch.int32
+    tokens_per_expert = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    prob_per_expert = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = 0.0
+    mask = None if attention_mask is None else attention_mask.reshape(-1).to(device, torch.float32)  # (B * T,)
+    for layer_logits in gate_logits:
+        probs = nn.functional.softmax(layer_logits.to(device), dim=-1)  # (B * T, E)
+        _, selected = torch.topk(probs, top_k, dim=-1)
+        if mask is None:
+            counts = torch.histc(selected.reshape(-1).to(histc_dtype), bins=num_experts, min=0, max=num_experts)
+            tokens_per_expert = tokens_per_expert + counts
+            prob_per_expert = prob_per_expert + probs.float().sum(dim=0)
+            rows = rows + probs.shape[0]
+        else:
+            counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+            tokens_per_expert = tokens_per_expert + counts.scatter_add_(
+                0, selected.reshape(-1), mask.repeat_interleave(top_k)
+            )
+            prob_per_expert = prob_per_expert + (probs.float() * mask.unsqueeze(-1)).sum(dim=0)
+            rows = rows + mask.sum()
+    return torch.sum((tokens_per_expert / rows) * (prob_per_expert / rows).unsqueeze(0)) * num_experts
+
+
+# The heads' outputs with a mixture-of-experts backbone: their dense output plus `aux_loss` and `router_logits`.
+
+
+@dataclass
+class TfmMoeModelOutput(MoeModelOutputWithPast):
+    """The backbone's output with experts: `router_logits`, and `cross_attentions` when it is a seq2seq decoder."""
+
+    cross_attentions: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class TfmMoeSequenceClassifierOutput(SequenceClassifierOutput):
+    aux_loss: torch.FloatTensor | None = None
+    router_logits: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class TfmMoeTokenClassifierOutput(TokenClassifierOutput):
+    aux_loss: torch.FloatTensor | None = None
+    router_logits: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class TfmMoeQuestionAnsweringModelOutput(QuestionAnsweringModelOutput):
+    aux_loss: torch.FloatTensor | None = None
+    router_logits: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class TfmMoeMaskedLMOutput(MaskedLMOutput):
+    aux_loss: torch.FloatTensor | None = None
+    router_logits: tuple[torch.FloatTensor, ...] | None = None
+
+
+MOE_OUTPUTS = {
+    CausalLMOutputWithPast: MoeCausalLMOutputWithPast,
+    SequenceClassifierOutput: TfmMoeSequenceClassifierOutput,
+    TokenClassifierOutput: TfmMoeTokenClassifierOutput,
+    QuestionAnsweringModelOutput: TfmMoeQuestionAnsweringModelOutput,
+    MaskedLMOutput: TfmMoeMaskedLMOutput,
+}
+
+# Checkpoints store the experts one by one (`mlp.experts.N.gate_proj.weight`, ...: the layout Qwen2-MoE, OLMoE and
+# Qwen3-MoE publish) and load back into the fused parameters. transformers converts a custom model's weights only when
+# its model_type is registered, and one layout per model_type (two collide on save). Dense checkpoints have no expert
+# keys and are unchanged. `overwrite`: remote-code copies of this file register again.
+register_checkpoint_conversion_mapping(
+    TfmConfig.model_type, get_checkpoint_conversion_mapping("qwen2_moe"), overwrite=True
+)
 
 
 class TfmBlock(GradientCheckpointingLayer):
@@ -438,7 +644,7 @@ class TfmBlock(GradientCheckpointingLayer):
         self.self_attn = TfmAttention(config, layer_idx)
         cross = config.add_cross_attention
         self.encoder_attn = TfmAttention(config, layer_idx, is_cross_attention=True) if cross else None
-        self.mlp = TfmMLP(config)
+        self.mlp = make_ffn(config, layer_idx)
         # The norm of the attention sub-layer (before it, or after the residual); layer 0 may skip it (pre-norm only).
         self.attn_norm = make_norm(config) if layer_idx > 0 or config.first_layer_attn_norm else nn.Identity()
         self.cross_attn_norm = make_norm(config) if cross else None
@@ -526,6 +732,7 @@ class TfmPreTrainedModel(PreTrainedModel):
         "hidden_states": TfmBlock,
         "attentions": OutputRecorder(TfmAttention, index=1, layer_name="self_attn"),
         "cross_attentions": OutputRecorder(TfmAttention, index=1, layer_name="encoder_attn"),
+        "router_logits": OutputRecorder(TfmTopKRouter, index=0),  # one (B * T, E) tensor per sparse layer
     }
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
@@ -630,6 +837,11 @@ class TfmPreTrainedModel(PreTrainedModel):
             init.normal_(module.o_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
         elif isinstance(module, TfmMLP):
             init.normal_(module.down_proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
+        elif isinstance(module, TfmExperts):  # created with torch.empty; down_proj scaled as the dense one's
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
+        elif isinstance(module, TfmTopKRouter):
+            init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, TfmSinusoidalEmbedding):
             init.copy_(module.inv_freq, module.compute_inv_freq(module.dim))
         elif isinstance(module, TfmAlibi):
@@ -823,8 +1035,11 @@ class TfmModel(TfmPreTrainedModel):
             )
         hidden_states = self.norm(hidden_states)
         cache_out = {CACHE_NAME: cache if use_cache else None}
-        if self.pooler is None:
-            return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states, **cache_out)
+        if self.pooler is None:  # `router_logits` is filled in by `capture_outputs` when requested
+            output_class = (
+                BaseModelOutputWithPastAndCrossAttentions if config.num_experts is None else TfmMoeModelOutput
+            )
+            return output_class(last_hidden_state=hidden_states, **cache_out)
         mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 else None
         pad_mask = None
         if mask is None and input_ids is not None and config.pad_token_id is not None:
@@ -956,6 +1171,41 @@ class TfmHeadModel(TfmPreTrainedModel):
             **kwargs,
         )
 
+    def with_router_loss(
+        self,
+        output: ModelOutput,
+        backbone_output: ModelOutput,
+        attention_mask: torch.Tensor | dict | None,
+        loss_labels: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> ModelOutput:
+        """A head's output with the mixture-of-experts load-balancing loss, where router logits were recorded
+        (`output_router_logits`): `aux_loss`, `router_logits`, and `loss + router_aux_loss_coef * aux_loss`. An MoE
+        model always returns the MoE output class (`MoeCausalLMOutputWithPast`, ...); a dense one its dense class.
+
+        Under Trainer's gradient accumulation and DDP (`num_items_in_batch`, the step's label count that the head's
+        loss divides by), `aux_loss` joins the loss with this batch's share of those labels (`loss_labels`, counted
+        as Trainer counts them): the micro-batches' terms then sum to their token-weighted mean, where a plain sum
+        would weigh it by the accumulation steps times the processes.
+        """
+        router_logits = getattr(backbone_output, "router_logits", None)
+        if router_logits is None and self.config.num_experts is None:
+            return output  # a dense model, and no router logits asked for
+        loss, aux_loss = output.get("loss"), None
+        if router_logits:  # empty when no layer is sparse
+            mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 else None
+            if mask is not None:  # decoding: the cached tokens' columns have no router logits in this call
+                mask = mask[:, -backbone_output.last_hidden_state.shape[1] :]
+            config = self.config
+            aux_loss = load_balancing_loss_func(router_logits, config.num_experts, config.num_experts_per_tok, mask)
+            if loss is not None:
+                share = 1.0
+                if num_items_in_batch is not None and loss_labels is not None:
+                    share = loss_labels.ne(-100).sum() / num_items_in_batch
+                loss = loss + config.router_aux_loss_coef * share * aux_loss.to(loss.device)
+        fields = {**output, "loss": loss, "aux_loss": aux_loss, "router_logits": router_logits}
+        return MOE_OUTPUTS[type(output)](**fields)
+
 
 class TfmForCausalLM(TfmHeadModel, GenerationMixin):
     """Decoder language model: the backbone plus `lm_head` (tied to `embed_tokens` when `tie_word_embeddings`)."""
@@ -999,13 +1249,15 @@ class TfmForCausalLM(TfmHeadModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
+        output = CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
             **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+        counted = kwargs.get("shift_labels", None if labels is None else labels[..., 1:])  # the items the loss counts
+        return self.with_router_loss(output, outputs, attention_mask, counted, kwargs.get("num_items_in_batch"))
 
 
 def pool(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, how: str, pad_mask: torch.Tensor | None):
@@ -1066,9 +1318,10 @@ class TfmForSequenceClassification(TfmHeadModel):
         loss = None
         if labels is not None:
             loss = self.loss_function(labels=labels, pooled_logits=logits, config=self.config)
-        return SequenceClassifierOutput(
+        output = SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
+        return self.with_router_loss(output, outputs, attention_mask)  # its loss is a batch mean: no item count
 
 
 class TfmForTokenClassification(TfmHeadModel):
@@ -1099,9 +1352,10 @@ class TfmForTokenClassification(TfmHeadModel):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits, labels, self.config)
-        return TokenClassifierOutput(
+        output = TokenClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
+        return self.with_router_loss(output, outputs, attention_mask)  # its loss is a batch mean: no item count
 
 
 class TfmForQuestionAnswering(TfmHeadModel):
@@ -1131,13 +1385,14 @@ class TfmForQuestionAnswering(TfmHeadModel):
         loss = None
         if start_positions is not None and end_positions is not None:
             loss = self.loss_function(start_logits, end_logits, start_positions, end_positions, **kwargs)
-        return QuestionAnsweringModelOutput(
+        output = QuestionAnsweringModelOutput(
             loss=loss,
             start_logits=start_logits,
             end_logits=end_logits,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+        return self.with_router_loss(output, outputs, attention_mask)  # its loss is a batch mean: no item count
 
 
 class TfmPredictionHead(nn.Module):
@@ -1192,9 +1447,10 @@ class TfmForMaskedLM(TfmHeadModel):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
-        return MaskedLMOutput(
+        output = MaskedLMOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
+        return self.with_router_loss(output, outputs, attention_mask, labels, kwargs.get("num_items_in_batch"))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

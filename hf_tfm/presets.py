@@ -80,6 +80,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4,
         "max_position_embeddings": 4096,
     },
+    # small-decoder's shape with 8 experts per layer, top-2, each half its dense width: the same active FFN compute
+    # per token and about 3x the parameters. `output_router_logits`: training adds the load-balancing loss.
+    "small-moe": {
+        **_LLAMA,
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 352,
+        "output_router_logits": True,
+    },
     "gpt2-style": {
         **_GPT2,
         "hidden_size": 768,

@@ -656,6 +656,9 @@ def architecture_summary(config: TfmConfig | TfmSeq2SeqConfig) -> list[tuple[str
         "classifier_pooling",
         "sliding_window",
     ]
+    if getattr(config, "num_experts", None) is not None:  # a mixture of experts: which, how wide, where
+        keys += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"]
+        keys += ["mlp_only_layers", "decoder_sparse_step"]
     return [(k, getattr(config, k)) for k in keys if hasattr(config, k)]
 
 

@@ -12,6 +12,11 @@ Pairs: each in-tree model is built from its config (random weights, no dropout),
   dense+act+norm head), all layers global attention (``layer_types``), as ``train_flops`` counts
 - ``bart``: ``BartForConditionalGeneration`` (encoder-decoder: post-norm, learned positions, embedding LayerNorm, GELU
   MLP, biases, tied head; as many decoder as encoder layers)
+- ``mixtral``: ``MixtralForCausalLM``, the llama pair's shape with a mixture of 8 SwiGLU experts in every layer, top-2,
+  each half the llama FFN's width (the same active FFN FLOPs per token); ``train_flops`` counts the active parameters
+  (router + 2 experts per token). Both sides run transformers' default experts kernel; extra rows time hf_tfm's
+  train step and prefill on the eager and grouped_mm kernels, and batch-8 decoding on those and batched_mm, each in
+  interleaved rounds
 
 Every matmul has the same shape on both sides, so FLOPs match. The one layout difference (GPT-2's Conv1D ``x @ W`` and
 fused ``c_attn`` where hf_tfm has ``nn.Linear`` and separate q/k/v) is listed in the JSON ``notes``, with BERT's pooler
@@ -66,6 +71,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     ModernBertConfig,
     ModernBertForSequenceClassification,
 )
@@ -103,9 +110,16 @@ PAIR_TASKS = {
     "bert": ("cls_train",),
     "modernbert": ("cls_train",),
     "bart": ("s2s_train", "s2s_generate_b1", "s2s_generate_b8"),
+    "mixtral": ("train", "prefill", "decode_b1", "decode_b8"),
 }
 TRAIN_TASKS = ("train", "cls_train", "s2s_train")
+CAUSAL_PAIRS = ("llama", "gpt2", "mixtral")
 NUM_LABELS = 2
+NUM_EXPERTS, TOP_K = 8, 2
+EXPERTS_KERNELS = ("eager", "batched_mm", "grouped_mm")
+# batched_mm gathers each token's top-k expert weights (tokens x k x 3 x H x I floats: 2.9 GB per layer for the small
+# train step), so it is timed where few tokens go through the experts at once: decoding.
+KERNELS_BY_TASK = {"train": ("eager", "grouped_mm"), "prefill": ("eager", "grouped_mm"), "decode_b8": EXPERTS_KERNELS}
 
 
 def glu_intermediate(hidden: int) -> int:
@@ -185,10 +199,19 @@ def in_tree_model(
         except StrictDataclassError:  # transformers < 5.2x rejects all-global layers at init; set them after it
             cfg = ModernBertConfig(**kwargs)
             cfg.layer_types = ["full_attention"] * n_layers
+    elif name == "mixtral":
+        cls, inter = MixtralForCausalLM, glu // TOP_K
+        moe = {"num_local_experts": NUM_EXPERTS, "num_experts_per_tok": TOP_K, "num_key_value_heads": heads}
+        cfg = MixtralConfig(
+            **dims, **ids, **moe, intermediate_size=inter, rms_norm_eps=1e-6, tie_word_embeddings=False
+        )
     else:
         raise ValueError(name)
-    ffn = [(h, inter), (h, inter), (inter, h)] if inter == glu else [(h, inter), (inter, h)]  # GLU: gate and up
-    head = [(h, vocab)] if name in ("llama", "gpt2") else []
+    glu_ffn = name in ("llama", "modernbert", "mixtral")  # gate and up, then down
+    ffn = [(h, inter), (h, inter), (inter, h)] if glu_ffn else [(h, inter), (inter, h)]
+    if name == "mixtral":  # per token: the router, then top-k experts (GLU: gate, up, down each)
+        ffn = [(h, NUM_EXPERTS)] + ffn * TOP_K
+    head = [(h, vocab)] if name in CAUSAL_PAIRS else []
     return cls._from_config(cfg, attn_implementation=attn, dtype=dtype), ([(h, h)] * 4 + ffn) * n_layers + head
 
 
@@ -199,6 +222,9 @@ NOTES = {
     "not counted in train_flops (negligible).",
     "modernbert": "ModernBERT: all layers global attention (layer_types), so attention work matches train_flops; its "
     "head's dense+act+norm on the pooled row runs on both sides (not counted in train_flops, negligible).",
+    "mixtral": f"Mixtral: {NUM_EXPERTS} experts, top-{TOP_K}, each half the llama FFN's width; train_flops counts the "
+    "active parameters (router + experts each token uses), tokens per expert vary with the routing. Both sides run "
+    "transformers' default experts kernel (grouped_mm).",
 }
 
 
@@ -206,7 +232,7 @@ def build_pair(name: str, size: str, dtype: torch.dtype, attn: str, device: str)
     """The in-tree model and `from_hf` of it: equivalent config, same weights, same dtype and attention backend."""
     theirs, linears = in_tree_model(name, size, dtype, attn, SHAPES[size])
     ours = from_hf(theirs)
-    kind = {"llama": "causal", "gpt2": "causal", "bart": "seq2seq"}.get(name, "encoder")
+    kind = "causal" if name in CAUSAL_PAIRS else "seq2seq" if name == "bart" else "encoder"
     pair = Pair(name, ours, theirs, type(theirs).__name__, kind, linears, notes=NOTES.get(name, ""))
     s = SIZES[size]
     pair.attn = {
@@ -625,6 +651,8 @@ def main(argv=None) -> dict:
                 )
             if args.compile and pair.kind == "causal" and "train" in tasks:
                 extra.append(compiled_train(pair, shp, args, device, vocab, size, results))
+            if pair_name == "mixtral":
+                extra.extend(experts_kernels(pair, tasks, shp, args, device, vocab, size))
             if device == "cuda" and pair.kind == "causal" and "train" in tasks:
                 extra.extend(gpu_flash_vs_sdpa(pair_name, size, shp, args, device, vocab))
             del pair
@@ -653,6 +681,42 @@ def main(argv=None) -> dict:
         with open(args.markdown, "w") as f:
             f.write(table + "\n")
     return out
+
+
+def experts_kernels(pair: Pair, tasks, shp: dict, args, device: str, vocab: int, size: str) -> list[dict]:
+    """hf_tfm's steps on each experts kernel of `KERNELS_BY_TASK`, interleaved round by round (medians, ms)."""
+    rows = []
+    model = pair.ours
+    default = model.config._experts_implementation
+    for task in [t for t in KERNELS_BY_TASK if t in tasks]:
+        print(f"[bench] {size} {pair.name} {task} per experts kernel ...", file=sys.stderr, flush=True)
+        inner = make_step(model, task, shp, vocab, device, None)
+
+        def on(kernel: str, inner=inner):
+            def step():
+                model.set_experts_implementation(kernel)
+                inner()
+
+            return step
+
+        steps = {kernel: on(kernel) for kernel in KERNELS_BY_TASK[task]}
+        for s in steps.values():
+            s()
+        times = interleaved(steps, args.rounds)
+        medians = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        ranked = " / ".join(f"{k} {v:.1f}" for k, v in medians.items())
+        rows.append(
+            {
+                "size": size,
+                "pair": pair.name,
+                "what": f"{task}: ms per step by experts kernel (hf_tfm)",
+                "ours": ranked,
+                "theirs": "-",
+                "medians_ms": medians,
+            }
+        )
+    model.set_experts_implementation(default)
+    return rows
 
 
 def compiled_train(pair: Pair, shp: dict, args, device: str, vocab: int, size: str, results: list[dict]) -> dict:

@@ -49,4 +49,9 @@ def test_bench_tiny_end_to_end(tmp_path):
             assert r["ours"]["mm_frac"] > 0 and r["theirs"]["mm_frac"] > 0
     assert "| tiny | llama | decode_b1 |" in out["markdown"]
     assert "| tiny | bart | s2s_generate_b8 | BartForConditionalGeneration |" in out["markdown"]
+    # The Mixtral pair counts active parameters only (the router and top-k experts per token), and times hf_tfm's
+    # steps on the experts kernels.
+    assert rows[("mixtral", "train")]["train_flops"] < rows[("llama", "train")]["train_flops"] * 1.1
+    kernels = [e for e in out["extra"] if e["pair"] == "mixtral" and "experts kernel" in e["what"]]
+    assert [set(e["medians_ms"]) for e in kernels] == [set(k) for k in bench.KERNELS_BY_TASK.values()]
     assert out["machine"]["torch"] == torch.__version__

@@ -14,7 +14,7 @@ imported below, in the order `to_hf` should try it.
 
 # Each module registers its families on import; this order is the order `to_hf` tries them in.
 # isort: off
-from . import llama_like, gpt2, bert, modernbert, bart, marian  # noqa: F401
+from . import llama_like, gpt2, bert, modernbert, mixtral, qwen2_moe, olmoe, bart, marian  # noqa: F401
 
 # isort: on
 from .core import FAMILIES, HEADS, TFM_CLASSES, convert_path, export_blockers, from_hf, to_hf

@@ -124,6 +124,7 @@ class Family:
     fuse_state: Callable | None = None  # the reverse, after the rules (GPT-2's c_attn, ModernBERT's Wqkv and Wi)
     head_prefixes: dict[str, str] = field(default_factory=dict)  # head -> hf_prefix where a head differs (Llama QA)
     seq2seq: bool = False  # an encoder-decoder family: its hf_tfm side is a TfmSeq2SeqConfig
+    moe: bool = False  # has mixture-of-experts layers; the other families need `num_experts=None`
 
     def rules(self, head: str) -> list[Rule]:
         if head in BASE_HEADS:
@@ -152,9 +153,14 @@ def common_blockers(
     final_norm: bool = True,
     flat_rope: bool = True,
     hidden_dropout: bool = True,
+    qk_norm_scope: str | None = None,
 ) -> None:
     """The knobs most in-tree families fix; each keyword says what this family's block has."""
-    need(config, out, family, "qk_norm", False)
+    if qk_norm_scope is None:
+        need(config, out, family, "qk_norm", False)
+    else:  # q/k norms of this scope ("head" or "projection")
+        need(config, out, family, "qk_norm", True)
+        need(config, out, family, "qk_norm_scope", qk_norm_scope)
     if head == "base" and not base_pooler:  # heads build no backbone pooler
         need(config, out, family, "add_pooling_layer", False, "False (no pooler in its base model)")
     need(config, out, family, "parallel_residual", False)
@@ -164,6 +170,53 @@ def common_blockers(
         need(config, out, family, "rope_parameters", lambda v: not config.rope_per_layer_type, "one flat RoPE dict")
     if not hidden_dropout:  # no dropout outside attention in the block
         need(config, out, family, "hidden_dropout", 0.0)
+
+
+# Mixture-of-experts families: the router (`mlp.gate`), the fused experts and the shared expert keep their names, which
+# are Qwen2-MoE's and those of every in-tree MoE model once loaded (checkpoints on disk are converted by transformers).
+MOE_RULES = [
+    Rule("layers.{i}.mlp.experts.{n}", "layers.{i}.mlp.experts.{n}"),  # gate_up_proj (E, 2I, H), down_proj (E, H, I)
+    Rule("layers.{i}.mlp.shared_expert.{n}.{p}", "layers.{i}.mlp.shared_expert.{n}.{p}"),
+]
+
+
+def moe_from_hf(c, num_experts: int) -> dict:
+    """The MoE knobs every in-tree family names alike."""
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": c.num_experts_per_tok,
+        "router_aux_loss_coef": c.router_aux_loss_coef,
+        "output_router_logits": c.output_router_logits,
+    }
+
+
+def moe_blockers(
+    config: TfmConfig,
+    family: str,
+    out: list[str],
+    *,
+    norm_topk_prob: bool | None = None,
+    router_weights_fp32: bool = False,
+    shared_expert: bool = False,
+    sparse_layer_rule: bool = False,
+    jitter: bool = False,
+) -> None:
+    """The MoE knobs a family fixes; each keyword says what its block has (None: configurable)."""
+    need(config, out, family, "num_experts", lambda v: v is not None, "mixture-of-experts layers (`num_experts`)")
+    if config.num_experts is None:
+        return
+    if norm_topk_prob is not None:
+        need(config, out, family, "norm_topk_prob", norm_topk_prob)
+    need(config, out, family, "router_weights_fp32", router_weights_fp32)
+    if shared_expert:
+        need(config, out, family, "shared_expert_intermediate_size", lambda v: v is not None, "a shared expert")
+    else:
+        need(config, out, family, "shared_expert_intermediate_size", None)
+    if not sparse_layer_rule:  # every layer sparse: `intermediate_size` is unused, the experts' width is exported
+        need(config, out, family, "mlp_only_layers", lambda v: not v, "every layer sparse")
+        need(config, out, family, "decoder_sparse_step", 1)
+    if not jitter:
+        need(config, out, family, "router_jitter_noise", 0.0)
 
 
 def classifier_blockers(
@@ -262,6 +315,8 @@ def _build(cls, config, source: torch.nn.Module, state: dict, optional: set[str]
     `_keys_to_ignore_on_load_missing`: Marian's sinusoid table, BART's zero logits bias) may be absent from `state`.
     """
     config._attn_implementation = source.config._attn_implementation
+    if cls._can_set_experts_implementation():  # an MoE model keeps the experts kernel too (eager, grouped_mm, ...)
+        config._experts_implementation = source.config._experts_implementation
     # A backbone carries a pooler when the weights have one (BertModel's `add_pooling_layer`, our config knob).
     takes_pooler = "add_pooling_layer" in inspect.signature(cls.__init__).parameters
     pooler = any(key.startswith("pooler.") for key in state)
@@ -296,7 +351,8 @@ def _tied_targets(model: PreTrainedModel) -> set[str]:
 
 
 def from_hf(model_or_path: PreTrainedModel | str | Path) -> TfmPreTrainedModel:
-    """An in-tree Llama / Mistral / Qwen2 / GPT-2 / BERT / ModernBERT model (object or folder) as hf_tfm's equivalent.
+    """An in-tree Llama / Mistral / Qwen2 / GPT-2 / BERT / ModernBERT / Mixtral / Qwen2-MoE / OLMoE model (object or
+    folder) as hf_tfm's equivalent.
 
     The head follows the source: `*Model` -> `TfmModel`, `*ForCausalLM`/`GPT2LMHeadModel` -> `TfmForCausalLM`,
     `*ForSequenceClassification`, `*ForTokenClassification`, `*ForQuestionAnswering`, `*ForMaskedLM` -> the hf_tfm head
@@ -339,6 +395,16 @@ def export_blockers(config: TfmConfig, head: str = "base") -> dict[str, list[str
     for name, found in blockers.items():
         if head == "causal_lm":  # no in-tree family has a bias on its causal LM head
             need(config, found, name, "lm_head_bias", False)
+        if FAMILIES[name].moe:
+            continue
+
+        def dense(side: TfmConfig, out: list[str], family: str = name) -> None:
+            need(side, out, family, "num_experts", None, "None (no mixture-of-experts layers)")
+
+        if seq2seq:
+            found += side_blockers(config, dense)
+        else:
+            dense(config, found)
     return blockers
 
 
@@ -346,8 +412,8 @@ def to_hf(model: TfmPreTrainedModel | str | Path) -> PreTrainedModel:
     """The in-tree transformers model equal to an hf_tfm model, or a `ValueError` naming every blocking knob.
 
     The first registered family that expresses the config exactly wins, in the order of `FAMILIES` (llama, mistral,
-    qwen2, gpt2, bert, modernbert, ...), so an all-full-attention Mistral comes back as Llama, which is the same
-    architecture. The result saves and loads with plain transformers, no `trust_remote_code`.
+    qwen2, gpt2, bert, modernbert, mixtral, qwen2_moe, olmoe), so an all-full-attention Mistral comes back as Llama,
+    which is the same architecture. The result saves and loads with plain transformers, no `trust_remote_code`.
     """
     if isinstance(model, (str, Path)):
         config = AutoConfig.from_pretrained(model)
@@ -358,7 +424,8 @@ def to_hf(model: TfmPreTrainedModel | str | Path) -> PreTrainedModel:
     blockers = export_blockers(config, head)
     name = next((name for name, found in blockers.items() if not found and head in FAMILIES[name].classes), None)
     if name is None:
-        ranked = sorted(blockers.items(), key=lambda item: len(item[1]))
+        moe = getattr(config, "num_experts", None) is not None  # closest among those with (or without) experts
+        ranked = sorted(blockers.items(), key=lambda item: (FAMILIES[item[0]].moe is not moe, len(item[1])))
         closest, found = ranked[0]
         others = "; ".join(f"{n}: {len(b)} knobs" for n, b in ranked[1:])
         raise ValueError(
