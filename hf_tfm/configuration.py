@@ -65,10 +65,6 @@ class TfmConfig(PreTrainedConfig):
         "layers.*.self_attn.k_proj": "colwise",
         "layers.*.self_attn.v_proj": "colwise",
         "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.encoder_attn.q_proj": "colwise",  # a seq2seq decoder's cross-attention
-        "layers.*.encoder_attn.k_proj": "colwise",
-        "layers.*.encoder_attn.v_proj": "colwise",
-        "layers.*.encoder_attn.o_proj": "rowwise",
         "layers.*.mlp.gate_proj": "colwise",
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
@@ -199,6 +195,10 @@ class TfmConfig(PreTrainedConfig):
             self.moe_intermediate_size = self.intermediate_size
         if self.qk_norm and self.qk_norm_scope == "projection":
             self.base_model_tp_plan = {**self.base_model_tp_plan, **PROJECTION_QK_NORM_TP_PLAN}
+        if self.add_cross_attention:  # a seq2seq decoder's cross-attention is sharded like its self-attention
+            plan = self.base_model_tp_plan
+            cross = {k.replace(".self_attn.", ".encoder_attn."): v for k, v in plan.items() if ".self_attn." in k}
+            self.base_model_tp_plan = {**plan, **cross}
         if self.classifier_pooling is None:
             self.classifier_pooling = "last" if self.is_causal else "first"
         if self.final_norm is None:

@@ -1278,6 +1278,10 @@ def pool(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, how: 
 class TfmForSequenceClassification(TfmHeadModel):
     """Sequence classifier / regressor: pooled backbone output -> [dense, act, norm] -> dropout -> `score`."""
 
+    # The loss is a mean per batch (transformers' sequence-classification loss takes no `num_items_in_batch`), so
+    # Trainer must average the accumulated micro-batches itself; it would not, seeing the forward's **kwargs.
+    accepts_loss_kwargs = False
+
     def __init__(self, config: TfmConfig) -> None:
         super().__init__(config)
         self.num_labels = config.num_labels

@@ -90,6 +90,27 @@ def test_trainer_fine_tunes_encoder_classifier(tmp_path):
     assert after["eval_accuracy"] == 1.0
 
 
+def test_sequence_classifier_gradient_accumulation_is_exact(tmp_path):
+    """Batch 1 x 4 accumulation steps == batch 4 x 1 step for the classifier, whose loss is a per-batch mean."""
+    data = [{**example, "labels": i % 2} for i, example in enumerate(lm_examples([3, 11, 6, 15], seed=2))]
+    common = {"max_steps": 1, "optim": "sgd", "learning_rate": 1.0, "lr_scheduler_type": "constant"}
+    base = seeded(TfmForSequenceClassification, is_causal=False, num_labels=2)
+    runs = {}
+    for name, batch_size, accumulation in (("accumulated", 1, 4), ("batched", 4, 1)):
+        model = copy.deepcopy(base)
+        args = training_args(
+            tmp_path / name,
+            per_device_train_batch_size=batch_size,
+            gradient_accumulation_steps=accumulation,
+            max_grad_norm=0.0,
+            **common,
+        )
+        Trainer(model=model, args=args, train_dataset=data, data_collator=PadCollator()).train()
+        runs[name] = model
+    assert max_param_diff(runs["accumulated"], runs["batched"]) < 1e-6
+    assert max_param_diff(runs["batched"], base) > 1e-3  # it did train
+
+
 def test_gradient_accumulation_is_exact(tmp_path):
     """Per-device batch 1 x 4 accumulation steps == batch 4 x 1 step == a plain step on the token-mean loss."""
     data = lm_examples([3, 11, 6, 15])  # variable lengths: padding and unequal token counts per micro-batch
