@@ -40,7 +40,7 @@ DEMO_PROFILES: dict[str, dict[str, Any]] = {
         "lm_config": {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4},
         "lm": {"max_steps": 150, "batch_size": 16, "seq_len": 128, "learning_rate": 2e-3},
         "clf": {"max_steps": 150, "batch_size": 16, "seq_len": 96, "learning_rate": 3e-3},
-        "s2s": {"max_steps": 150, "batch_size": 32, "seq_len": 48, "learning_rate": 2e-3},
+        "s2s": {"max_steps": 150, "batch_size": 32, "seq_len": 48, "learning_rate": 1e-3},
         "max_new_tokens": 24,
     },
     "full": {
@@ -49,7 +49,7 @@ DEMO_PROFILES: dict[str, dict[str, Any]] = {
         "lm_config": {"hidden_size": 192, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2},
         "lm": {"max_steps": 2400, "batch_size": 16, "seq_len": 128, "learning_rate": 2e-3},
         "clf": {"max_steps": 400, "batch_size": 16, "seq_len": 128, "learning_rate": 2e-3},
-        "s2s": {"max_steps": 1200, "batch_size": 32, "seq_len": 48, "learning_rate": 2e-3},
+        "s2s": {"max_steps": 300, "batch_size": 32, "seq_len": 48, "learning_rate": 1e-3},
         "max_new_tokens": 48,
     },
 }
@@ -128,6 +128,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         generate_in_fresh_process,
         plot_loss_curves,
         pretrain_causal_lm,
+        seq2seq_from_causal_lm,
         staged_dir,
         train_seq2seq,
         write_model_card,
@@ -254,22 +255,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
         s2s_settings = TrainSettings(seed=seed, **profile["s2s"])
         names = docstring_name_task(all_files, seed=seed)
         print(
-            f"[6/7] seq2seq: an encoder-decoder learns a function's name from its docstring "
+            f"[6/7] seq2seq: an encoder-decoder warm-started from the LM learns a function's name from its docstring "
             f"({s2s_settings.max_steps} steps, {len(names.train_sources)} train / {len(names.test_sources)} test "
             "functions, split by file)"
         )
         s2s_dir = stage / "seq2seq"
-        s2s_config = load_config(
-            "tiny-seq2seq",
-            vocab_size=len(tokenizer),
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
+        s2s_model = seq2seq_from_causal_lm(lm_dir)  # both sides from the LM's blocks; new cross-attention
         # A leading space makes the name's words the tokens they are inside the docstring (byte-level BPE).
         targets = lambda texts: [" " + text for text in texts]  # noqa: E731
         s2s = train_seq2seq(
-            s2s_config,
+            s2s_model,
             tokenizer,
             (names.train_sources, targets(names.train_targets)),
             (names.test_sources, targets(names.test_targets)),
@@ -289,11 +284,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
             s2s_dir,
             title="hf_tfm demo encoder-decoder: a function's name from its docstring",
             summary=(
-                "A small encoder-decoder (`TfmForConditionalGeneration`, RoPE, pre-norm, SwiGLU on both sides) "
-                "trained from scratch by `hf-tfm demo`: the first paragraph of a function's docstring in, the words "
-                "of its name out."
+                "An encoder-decoder (`TfmForConditionalGeneration`) warm-started by `hf-tfm demo` from its causal "
+                "LM: both sides start from the LM's blocks and embeddings (the encoder with bidirectional attention), "
+                "the decoder's cross-attention from scratch; fine-tuned on the first paragraph of a function's "
+                "docstring in, the words of its name out."
             ),
-            config=s2s_config,
+            config=s2s_model.config,
             parameters=s2s["parameters"],
             data=[
                 "Standard-library functions and methods whose name is made of words of their docstring's first "
@@ -425,7 +421,7 @@ def _train_seq2seq(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
     from .data import load_pairs
-    from .recipes import check_output_dir, staged_dir, train_seq2seq, write_model_card
+    from .recipes import check_output_dir, seq2seq_from_causal_lm, staged_dir, train_seq2seq, write_model_card
 
     check_output_dir(args.output_dir, args.overwrite)
     columns = (args.source_column or "source", args.target_column or "target")
@@ -436,15 +432,22 @@ def _train_seq2seq(args: argparse.Namespace) -> int:
         pairs, held = _split_held_out(list(zip(sources, targets, strict=True)), 0.1, args.seed)
         sources, targets = [s for s, _ in pairs], [t for _, t in pairs]
         eval_sources, eval_targets = [s for s, _ in held], [t for _, t in held]
-    lora = args.lora if args.lora is not None else args.model is not None
+    config = AutoConfig.from_pretrained(args.model, trust_remote_code=True) if args.model else None
+    from_lm = getattr(config, "model_type", None) == "hf_tfm" and config.is_causal
+    if config is not None and not (from_lm or getattr(config, "is_encoder_decoder", False)):
+        raise CliError(f"--model {args.model} is neither an encoder-decoder nor an hf_tfm causal LM to start one from")
+    if from_lm and args.lora:
+        raise CliError(
+            f"--model {args.model} is a causal LM: its seq2seq model's new cross-attention must train in full"
+        )
+    lora = args.lora if args.lora is not None else args.model is not None and not from_lm
     settings = _settings(args, max_steps=200, learning_rate=2e-3 if lora else 1e-3)
     tokenizer, model = _tokenizer_and_model(args, sources + targets, settings)
-    if args.model and not getattr(
-        AutoConfig.from_pretrained(args.model, trust_remote_code=True), "is_encoder_decoder", False
-    ):
-        raise CliError(f"--model {args.model} is not an encoder-decoder checkpoint; --task seq2seq needs one")
+    if from_lm:  # both sides from the LM's blocks and embeddings, a new cross-attention
+        model = seq2seq_from_causal_lm(args.model)
     max_target_len = args.max_target_len or 32
     source = f"fine-tuned from `{args.model}`" if args.model else f"trained from scratch, config `{args.config}`"
+    source = f"warm-started from the causal LM `{args.model}`" if from_lm else source
     with staged_dir(args.output_dir, overwrite=args.overwrite) as stage:
         result = train_seq2seq(
             model,

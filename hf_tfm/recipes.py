@@ -488,6 +488,33 @@ def generate_texts(
     return texts
 
 
+def seq2seq_from_causal_lm(model: PreTrainedModel | str | os.PathLike) -> TfmForConditionalGeneration:
+    """An encoder-decoder warm-started from an hf_tfm causal LM (Rothe et al., arXiv:1907.12461): both sides get the
+    LM's blocks and embeddings (the encoder with bidirectional attention), the LM head stays the head, and only the
+    decoder's cross-attention (and its norms) start untrained. The two sides share one token table."""
+    if not isinstance(model, PreTrainedModel):
+        model = AutoModelForCausalLM.from_pretrained(model, trust_remote_code=True)
+    if not isinstance(model.config, TfmConfig) or not model.config.is_causal:
+        raise ValueError(f"{type(model).__name__} is not an hf_tfm causal LM: nothing to warm-start from")
+    config = model.config
+    # The LM's own knobs (not the base config's bookkeeping), with what makes each side an encoder or a decoder.
+    knobs = {name: getattr(config, name) for name in TfmConfig.__dataclass_fields__ if name in TfmConfig.__dict__}
+    for derived in ("is_causal", "add_cross_attention", "classifier_pooling"):
+        knobs.pop(derived)
+    seq2seq_config = TfmSeq2SeqConfig(
+        encoder={**knobs, "is_causal": False}, decoder=knobs, tie_word_embeddings=config.tie_word_embeddings
+    )
+    seq2seq_config._attn_implementation = config._attn_implementation  # the LM's kernel, on both sides
+    seq2seq = TfmForConditionalGeneration(seq2seq_config)
+    backbone = model.model.state_dict()
+    seq2seq.model.encoder.load_state_dict(backbone)
+    untrained = seq2seq.model.decoder.load_state_dict(backbone, strict=False).missing_keys
+    if any(".encoder_attn." not in key and ".cross_attn_norm." not in key for key in untrained):
+        raise RuntimeError(f"the LM's blocks did not fill the decoder's: missing {untrained}")
+    seq2seq.lm_head.load_state_dict(model.lm_head.state_dict())  # tied: the same values; untied: the LM's own
+    return seq2seq.to(model.dtype)
+
+
 def train_seq2seq(
     model: PreTrainedModel | TfmSeq2SeqConfig | str | os.PathLike,
     tokenizer: PreTrainedTokenizerBase,
@@ -760,6 +787,7 @@ __all__ = [
     "plot_loss_curves",
     "pretrain_causal_lm",
     "score_texts",
+    "seq2seq_from_causal_lm",
     "staged_dir",
     "train_seq2seq",
     "word_f1",

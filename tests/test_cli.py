@@ -422,10 +422,19 @@ def test_seq2seq_generate_and_info(seq2seq_models, capsys, user_models):
     assert report["kind"] == "encoder-decoder" and report["architecture"] == "TfmForConditionalGeneration"
     assert set(report["integrations"]["export to in-tree transformers"]) == {"bart", "mbart", "marian"}
     assert report["integrations"]["serving"]["vLLM (CPU)"][0] is False
-    _, lm, _ = user_models
-    argv = ["finetune", "--task", "seq2seq", "--train-file", str(seq2seq_models[0] / "pairs.csv"), "--model", str(lm)]
-    assert main([*argv, "--source-column", "doc", "--target-column", "name", "--output-dir", "x"]) == 1
-    assert "is not an encoder-decoder checkpoint" in capsys.readouterr().err
+    root, lm, clf = user_models
+    argv = ["finetune", "--task", "seq2seq", "--train-file", str(seq2seq_models[0] / "pairs.csv")]
+    argv += ["--source-column", "doc", "--target-column", "name", *TINY_TRAIN[:2]]
+    assert main([*argv, "--model", str(clf), "--output-dir", str(root / "x")]) == 1
+    assert "neither an encoder-decoder nor an hf_tfm causal LM" in capsys.readouterr().err
+    assert main([*argv, "--model", str(lm), "--lora", "--output-dir", str(root / "x")]) == 1
+    assert "new cross-attention must train in full" in capsys.readouterr().err
+    # A causal LM warm-starts both sides (seq2seq_from_causal_lm), trained in full
+    assert main([*argv, "--model", str(lm), "--output-dir", str(root / "from-lm")]) == 0
+    metrics = json.loads((root / "from-lm" / "metrics.json").read_text())
+    assert (
+        metrics["lora"] is False and "warm-started from the causal LM" in (root / "from-lm" / "README.md").read_text()
+    )
 
 
 def test_convert_exports_a_trained_folder_to_llama(user_models, capsys):

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build, enable_activation_checkpointing, random_ids, run_without_hf_tfm, tiny_seq2seq_config
+from conftest import (
+    build,
+    enable_activation_checkpointing,
+    random_ids,
+    run_without_hf_tfm,
+    tiny_config,
+    tiny_seq2seq_config,
+)
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 from transformers import (
     AutoModel,
@@ -22,8 +29,9 @@ from transformers import (
     Seq2SeqTrainingArguments,
 )
 
-from hf_tfm import TfmForConditionalGeneration, TfmSeq2SeqModel
+from hf_tfm import TfmForCausalLM, TfmForConditionalGeneration, TfmModel, TfmSeq2SeqModel
 from hf_tfm.modeling import SEQ2SEQ_AUTO_MAP
+from hf_tfm.recipes import seq2seq_from_causal_lm
 from hf_tfm.tokenization import train_bpe_tokenizer
 from hf_tfm.training import PadCollator
 
@@ -268,3 +276,23 @@ def test_readme_seq2seq_blocks(tmp_path, monkeypatch):
     assert torch.equal(namespace["again"], namespace["greedy"]) and torch.equal(
         namespace["static"], namespace["greedy"]
     )
+
+
+def test_seq2seq_warm_started_from_a_causal_lm():
+    """Both sides get the LM's blocks and embeddings (the encoder bidirectional), the head stays; only the decoder's
+    cross-attention is new (Rothe et al.)."""
+    lm = build(TfmForCausalLM, tiny_config(num_key_value_heads=2, tie_word_embeddings=False, lm_head_bias=True))
+    model = seq2seq_from_causal_lm(lm).eval()
+    bidirectional = build(TfmModel, tiny_config(num_key_value_heads=2, is_causal=False))
+    bidirectional.load_state_dict(lm.model.state_dict())
+    ids = random_ids(2, 6)
+    with torch.no_grad():
+        encoded = model.get_encoder()(input_ids=ids).last_hidden_state
+        torch.testing.assert_close(encoded, bidirectional(input_ids=ids).last_hidden_state, atol=0, rtol=0)
+    decoder = model.model.decoder.state_dict()
+    for name, tensor in lm.model.state_dict().items():
+        assert torch.equal(decoder[name], tensor), name
+    assert torch.equal(model.lm_head.weight, lm.lm_head.weight) and torch.equal(model.lm_head.bias, lm.lm_head.bias)
+    assert model.config.share_encoder_decoder_embeddings and model.config.decoder.add_cross_attention
+    with pytest.raises(ValueError, match="not an hf_tfm causal LM"):
+        seq2seq_from_causal_lm(build(TfmModel, tiny_config(is_causal=False)))
