@@ -1495,6 +1495,19 @@ class TfmSeq2SeqPreTrainedModel(TfmPreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         PreTrainedModel._init_weights(self, module)  # only the head: each side's TfmModel initialises itself
 
+    def resize_token_embeddings(self, *args, **kwargs) -> nn.Embedding:
+        """transformers' resize of the token table both sides share (and of the tied head); both sides' configs
+        follow. Sides with a table each (`share_encoder_decoder_embeddings=False`) resize one by one."""
+        if not self.config.share_encoder_decoder_embeddings:
+            raise ValueError(
+                "The encoder and decoder have a token table each (`share_encoder_decoder_embeddings=False`): resize "
+                "them one by one with `model.get_encoder().resize_token_embeddings(...)` and "
+                "`model.get_decoder().resize_token_embeddings(...)` (and the head, if untied)."
+            )
+        embeddings = super().resize_token_embeddings(*args, **kwargs)
+        self.config.encoder.vocab_size = self.config.decoder.vocab_size = embeddings.num_embeddings
+        return embeddings
+
 
 class TfmSeq2SeqModel(TfmSeq2SeqPreTrainedModel):
     """The encoder-decoder backbone: `encoder` reads the source, `decoder` the target so far (and the source)."""

@@ -362,3 +362,26 @@ def test_bad_inputs_raise_clear_errors():
         model(encoder_outputs=encoder_outputs, attention_mask=torch.ones(2, 4), decoder_input_ids=src)
     with pytest.raises(ValueError, match=r"`decoder_attention_mask` has shape"):
         model(input_ids=src, decoder_input_ids=src, decoder_attention_mask=torch.ones(2, 3))
+
+
+def test_resizing_the_shared_token_table_resizes_both_sides():
+    model = make("rope-gqa")
+    model.resize_token_embeddings(120)
+    assert (model.config.encoder.vocab_size, model.config.decoder.vocab_size) == (120, 120)
+    tokens = model.model.encoder.embed_tokens.weight
+    assert (
+        tokens.shape == (120, 32)
+        and model.model.decoder.embed_tokens.weight is tokens
+        and model.lm_head.weight is tokens
+    )
+    assert model(input_ids=torch.tensor([[110, 5]]), decoder_input_ids=torch.tensor([[1, 115]])).logits.shape == (
+        1,
+        2,
+        120,
+    )
+    separate = build(
+        TfmForConditionalGeneration,
+        tiny_seq2seq_config(decoder={"vocab_size": 50}, share_encoder_decoder_embeddings=False),
+    )
+    with pytest.raises(ValueError, match="resize them one by one"):
+        separate.resize_token_embeddings(120)
