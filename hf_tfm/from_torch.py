@@ -14,6 +14,7 @@ tutorials' `embedding(src) * sqrt(d_model)`; the causal mask is implied by `task
 `nn.Transformer`, by `task="seq2seq-lm"`: its decoder runs with a causal `tgt_mask`).
 """
 
+import dataclasses
 from typing import Literal
 
 import torch
@@ -243,7 +244,7 @@ def _seq2seq(
     state.update(head_state)
     # The torch modules name no special tokens: none are invented. The sides take the token ids and other TfmConfig
     # fields of `config_kwargs` (the seq2seq config derives its own ids from the decoder's); it takes the rest.
-    own = set(TfmSeq2SeqConfig.__dataclass_fields__) - set(TfmConfig.__dataclass_fields__)
+    own = {f.name for f in dataclasses.fields(TfmSeq2SeqConfig)} - {f.name for f in dataclasses.fields(TfmConfig)}
     top = {name: config_kwargs.pop(name) for name in list(config_kwargs) if name in own}
     for side in sides.values():
         clashes = sorted(set(config_kwargs) & set(side) - OVERRIDABLE)

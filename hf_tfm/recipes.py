@@ -5,6 +5,7 @@ Every folder is written under a hidden temporary name next to its target and ren
 so an interrupted or failed run never leaves a folder that looks like a finished model.
 """
 
+import dataclasses
 import json
 import logging
 import math
@@ -498,7 +499,7 @@ def seq2seq_from_causal_lm(model: PreTrainedModel | str | os.PathLike) -> TfmFor
         raise ValueError(f"{type(model).__name__} is not an hf_tfm causal LM: nothing to warm-start from")
     config = model.config
     # The LM's own knobs (not the base config's bookkeeping), with what makes each side an encoder or a decoder.
-    knobs = {name: getattr(config, name) for name in TfmConfig.__dataclass_fields__ if name in TfmConfig.__dict__}
+    knobs = {f.name: getattr(config, f.name) for f in dataclasses.fields(TfmConfig) if f.name in TfmConfig.__dict__}
     for derived in ("is_causal", "add_cross_attention", "classifier_pooling"):
         knobs.pop(derived)
     seq2seq_config = TfmSeq2SeqConfig(

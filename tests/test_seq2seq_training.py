@@ -278,9 +278,9 @@ def test_readme_seq2seq_blocks(tmp_path, monkeypatch):
     )
 
 
-def test_seq2seq_warm_started_from_a_causal_lm():
+def test_seq2seq_warm_started_from_a_causal_lm(tmp_path):
     """Both sides get the LM's blocks and embeddings (the encoder bidirectional), the head stays; only the decoder's
-    cross-attention is new (Rothe et al.)."""
+    cross-attention is new (Rothe et al.). It saves and loads like any seq2seq model."""
     lm = build(TfmForCausalLM, tiny_config(num_key_value_heads=2, tie_word_embeddings=False, lm_head_bias=True))
     model = seq2seq_from_causal_lm(lm).eval()
     bidirectional = build(TfmModel, tiny_config(num_key_value_heads=2, is_causal=False))
@@ -294,5 +294,9 @@ def test_seq2seq_warm_started_from_a_causal_lm():
         assert torch.equal(decoder[name], tensor), name
     assert torch.equal(model.lm_head.weight, lm.lm_head.weight) and torch.equal(model.lm_head.bias, lm.lm_head.bias)
     assert model.config.share_encoder_decoder_embeddings and model.config.decoder.add_cross_attention
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.get_encoder()(input_ids=ids).last_hidden_state, encoded, atol=0, rtol=0)
     with pytest.raises(ValueError, match="not an hf_tfm causal LM"):
         seq2seq_from_causal_lm(build(TfmModel, tiny_config(is_causal=False)))
