@@ -433,7 +433,7 @@ def _train_seq2seq(args: argparse.Namespace) -> int:
         sources, targets = [s for s, _ in pairs], [t for _, t in pairs]
         eval_sources, eval_targets = [s for s, _ in held], [t for _, t in held]
     config = AutoConfig.from_pretrained(args.model, trust_remote_code=True) if args.model else None
-    from_lm = getattr(config, "model_type", None) == "hf_tfm" and config.is_causal
+    from_lm = getattr(config, "model_type", None) == "hf_tfm" and "TfmForCausalLM" in (config.architectures or [])
     if config is not None and not (from_lm or getattr(config, "is_encoder_decoder", False)):
         raise CliError(f"--model {args.model} is neither an encoder-decoder nor an hf_tfm causal LM to start one from")
     if from_lm and args.lora:
@@ -462,7 +462,8 @@ def _train_seq2seq(args: argparse.Namespace) -> int:
         write_model_card(
             stage,
             title=f"Sequence-to-sequence model trained with hf-tfm on {Path(args.train_file).name}",
-            summary=f"{source.capitalize()} with `hf-tfm {args.command} --task seq2seq`{' (LoRA)' if lora else ''}.",
+            summary=f"{source[0].upper() + source[1:]} with `hf-tfm {args.command} --task seq2seq`"
+            + (" (LoRA)." if lora else "."),
             config=AutoConfig.from_pretrained(stage, trust_remote_code=True),
             parameters=result["parameters"],
             data=[

@@ -433,7 +433,7 @@ def test_seq2seq_generate_and_info(seq2seq_models, capsys, user_models):
     assert main([*argv, "--model", str(lm), "--output-dir", str(root / "from-lm")]) == 0
     metrics = json.loads((root / "from-lm" / "metrics.json").read_text())
     assert (
-        metrics["lora"] is False and "warm-started from the causal LM" in (root / "from-lm" / "README.md").read_text()
+        metrics["lora"] is False and "Warm-started from the causal LM" in (root / "from-lm" / "README.md").read_text()
     )
 
 
