@@ -465,9 +465,8 @@ class TfmSeq2SeqConfig(PreTrainedConfig):
 
     encoder: TfmConfig | dict | None = None  # None: TfmConfig's defaults, bidirectional
     decoder: TfmConfig | dict | None = None  # None: the encoder's knobs, causal, with cross-attention
-    share_encoder_decoder_embeddings: bool = (
-        True  # one token table for both sides (BART, Marian); needs one vocabulary
-    )
+    # One token table for both sides (BART, Marian), which needs one vocabulary; False: a table per side.
+    share_encoder_decoder_embeddings: bool = True
     tie_word_embeddings: bool = True  # `lm_head` shares the decoder's token embeddings
     is_encoder_decoder: bool = True
     use_cache: bool = True  # the model's default; decides for the decoder (whose own `use_cache` is not read)
