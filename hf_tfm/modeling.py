@@ -347,26 +347,40 @@ class TfmAttention(nn.Module):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)  # -1 heads: tensor parallelism shards the head count
 
-        query = self._project(self.q_proj, self.q_norm, hidden_states, hidden_shape)
+        query = self._project(self.q_proj, self.q_norm, hidden_states, hidden_shape).transpose(1, 2)  # (B, H, T, D)
         if self.is_cross_attention:  # no positions: a source token's keys are the same for every target token
             key, value = self._cross_key_value(key_value_states, cache)
-            return self._attend(query.transpose(1, 2), key, value, attention_mask, input_shape, **kwargs)
-        key = self._project(self.k_proj, self.k_norm, hidden_states, hidden_shape)
-        query, key = query.transpose(1, 2), key.transpose(1, 2)  # (B, H, T, D), (B, H_kv, T, D)
-        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H_kv, T, D)
+        else:
+            key = self._project(self.k_proj, self.k_norm, hidden_states, hidden_shape).transpose(1, 2)
+            value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H_kv, T, D), as the key
+            if position_embeddings is not None:
+                query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
+            if isinstance(cache, PagedAttentionCache):  # continuous batching: all sequences packed in one row
+                if PAGED_CACHE_UPDATED_BY_MODEL:
+                    key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)  # fills the kernel's kwargs
+                else:
+                    kwargs["cache"] = cache  # the paged kernels of these releases write and read the cache themselves
+            elif cache is not None:
+                key, value = cache.update(key, value, self.layer_idx)  # (B, H_kv, S, D) with S = past + T
+            if position_bias is not None:
+                kwargs["position_bias"] = position_bias
 
-        if position_embeddings is not None:
-            query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
-        if isinstance(cache, PagedAttentionCache):  # continuous batching: all sequences packed in one row
-            if PAGED_CACHE_UPDATED_BY_MODEL:
-                key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)  # fills the kernel's kwargs too
-            else:
-                kwargs["cache"] = cache  # the paged kernels of these releases write and read the cache themselves
-        elif cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)  # (B, H_kv, S, D) with S = past + T
-        if position_bias is not None:
-            kwargs["position_bias"] = position_bias
-        return self._attend(query, key, value, attention_mask, input_shape, **kwargs)
+        # Looked up and called here, in `forward`: vLLM's Transformers backend finds the attention call in this source.
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        out, weights = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            sliding_window=self.sliding_window,
+            **kwargs,
+        )
+        return self.o_proj(out.reshape(*input_shape, -1)), weights
 
     def _project(self, proj: nn.Linear, norm: nn.Module, states: torch.Tensor, shape: tuple) -> torch.Tensor:
         """(B, T, C) -> (B, T, heads, D) queries or keys, normed over the whole projection or per head (qk_norm)."""
@@ -390,31 +404,6 @@ class TfmAttention(nn.Module):
             key, value = cache.cross_attention_cache.update(key, value, self.layer_idx)
             cache.is_updated[self.layer_idx] = True
         return key, value
-
-    def _attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        input_shape: torch.Size,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        out, weights = attention_interface(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=self.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            sliding_window=self.sliding_window,
-            **kwargs,
-        )
-        return self.o_proj(out.reshape(*input_shape, -1)), weights
 
 
 class TfmMLP(nn.Module):

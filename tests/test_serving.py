@@ -5,6 +5,8 @@ cache, so equal tokens prove the positions, masks and cache handling of the pack
 real `transformers serve` process on a free loopback port through the `openai` client, then stops it by its PID.
 """
 
+import ast
+import inspect
 import json
 import logging
 import os
@@ -12,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import urllib.request
 from pathlib import Path
@@ -23,6 +26,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from hf_tfm import TfmForCausalLM
+from hf_tfm.modeling import TfmAttention
 from hf_tfm.tokenization import train_bpe_tokenizer
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20], [21]]
@@ -79,6 +83,21 @@ def test_continuous_batching_equals_generate(variant, attn):
     got = generate_batch(model)
     assert [out.error for out in got] == [None] * len(PROMPTS)
     assert [out.generated_tokens for out in got] == expected
+
+
+def test_attention_forward_calls_the_interface_where_vllm_looks_for_it():
+    """vLLM's Transformers backend reads `TfmAttention.forward`'s source for the one call of a function looked up in
+    `ALL_ATTENTION_FUNCTIONS` (vllm/model_executor/models/transformers/fusers/attention.py); without it, it refuses
+    the model ("does not dispatch through the Transformers attention interface"). Checked here without vLLM."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(TfmAttention.forward))))
+    names = {
+        target.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign | ast.AnnAssign) and "ALL_ATTENTION_FUNCTIONS" in ast.unparse(node.value)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+    }
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) in names]
+    assert len(calls) == 1 and any(k.arg == "scaling" for k in calls[0].keywords)
 
 
 @pytest.mark.parametrize(
