@@ -89,3 +89,23 @@ def test_bench_decode_settings_tiny(tmp_path):
     assert "error" not in rows["fp32"] and "error" not in rows["bf16"]
     # half the bytes, up to the rotary buffers (kept in fp32)
     assert rows["bf16"]["ours"]["weight_bytes_per_step"] * 2 == pytest.approx(fp32_bytes, rel=1e-3)
+
+
+def test_quality_script_tiny(tmp_path):
+    """`scripts/quality.py` trains its LM on the demo's corpus, then scores every setting against fp32."""
+    spec = importlib.util.spec_from_file_location("hf_tfm_quality", BENCH.parent / "quality.py")
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+    threads = torch.get_num_threads()
+    try:
+        out = quality.main(["--size", "tiny", "--steps", "3", "--threads", "1", "--json", str(tmp_path / "q.json")])
+    finally:
+        torch.set_num_threads(threads)
+    rows = {r["setting"]: r for r in out["results"]}
+    assert set(rows) == set(load_bench().DECODE_SETTINGS)
+    assert rows["fp32"]["perplexity"] == pytest.approx(out["fp32"]["perplexity"])
+    assert rows["fp32"]["greedy_agreement"] == 1
+    for row in rows.values():
+        if "error" not in row:
+            assert math.isfinite(row["perplexity"]) and 0 < row["greedy_agreement"] <= 1
+    assert json.loads((tmp_path / "q.json").read_text())["markdown"] == out["markdown"]
