@@ -582,6 +582,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--bandwidth-mib", type=int, default=None, help="size of the bandwidth GEMV (default: by --size)")
     p.add_argument(
+        "--compare-modeling",
+        metavar="REV",
+        default=None,
+        help="also time hf_tfm's decoding against hf_tfm/modeling.py at git revision REV (same weights, interleaved)",
+    )
+    p.add_argument(
         "--gpu",
         action="store_true",
         help="CUDA mode: bf16, MFU against the GPU's bf16 peak, and flash-attention vs sdpa (untested here)",
@@ -681,6 +687,8 @@ def main(argv=None) -> dict:
                         "theirs": f"{rc['theirs']['speedup_over_eager_dynamic']:.2f}x",
                     }
                 )
+            if args.compare_modeling and pair.kind == "causal":
+                extra.extend(compare_modeling(pair, tasks, shp, args, vocab, size))
             if args.compile and pair.kind == "causal" and "train" in tasks:
                 extra.append(compiled_train(pair, shp, args, device, vocab, size, results))
             if pair_name == "mixtral":
@@ -751,6 +759,69 @@ def experts_kernels(pair: Pair, tasks, shp: dict, args, device: str, vocab: int,
             }
         )
     model.set_experts_implementation(default)
+    return rows
+
+
+def modeling_at(rev: str):
+    """hf_tfm's `modeling.py` and `configuration.py` as they were at git revision `rev`, imported as a package of their
+    own (`hf_tfm_at_<rev>`), for A/B timing against the working tree's."""
+    import importlib
+    import subprocess
+    import tempfile
+
+    repo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    package = f"hf_tfm_at_{''.join(c if c.isalnum() else '_' for c in rev)}"
+    root = tempfile.mkdtemp(prefix="hf-tfm-bench-")
+    os.mkdir(os.path.join(root, package))
+    for name in ("configuration.py", "modeling.py"):
+        show = subprocess.run(["git", "show", f"{rev}:hf_tfm/{name}"], cwd=repo, capture_output=True, text=True)
+        if show.returncode:
+            raise SystemExit(f"--compare-modeling {rev}: {show.stderr.strip()}")
+        with open(os.path.join(root, package, name), "w") as f:
+            f.write(show.stdout)
+    open(os.path.join(root, package, "__init__.py"), "w").close()
+    sys.path.insert(0, root)
+    return importlib.import_module(f"{package}.modeling")
+
+
+def compare_modeling(pair: Pair, tasks, shp: dict, args, vocab: int, size: str) -> list[dict]:
+    """hf_tfm's decode steps against the same weights in `modeling.py` at `--compare-modeling REV`, interleaved; the
+    greedy tokens must be identical (the comparison is of overhead, not of results)."""
+    old_modeling = modeling_at(args.compare_modeling)
+    old = old_modeling.TfmForCausalLM(old_modeling.TfmConfig.from_dict(pair.ours.config.to_dict()))
+    old.load_state_dict(pair.ours.state_dict())
+    old.generation_config = pair.ours.generation_config
+    old.eval()
+    rows = []
+    for task in [t for t in ("decode_b1", "decode_b8") if t in tasks]:
+        print(f"[bench] {size} {pair.name} {task}: hf_tfm vs modeling.py@{args.compare_modeling} ...", file=sys.stderr)
+        batch = shp["decode_batches"][0 if task == "decode_b1" else 1]
+        ids = torch.randint(3, vocab, (batch, shp["prompt"]), generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "max_new_tokens": shp["new"]}
+            if not torch.equal(pair.ours.generate(**kwargs), old.generate(**kwargs)):
+                raise AssertionError(f"{task}: modeling.py@{args.compare_modeling} generates other tokens")
+        steps = {
+            "new": make_step(pair.ours, task, shp, vocab, "cpu", None),
+            "old": make_step(old, task, shp, vocab, "cpu", None),
+        }
+        for step in steps.values():
+            step()
+        times = interleaved(steps, args.rounds)
+        medians = {k: statistics.median(v) for k, v in times.items()}
+        best = {k: min(v) for k, v in times.items()}
+        rows.append(
+            {
+                "size": size,
+                "pair": pair.name,
+                "what": f"{task}: hf_tfm speedup over modeling.py@{args.compare_modeling} (identical tokens; "
+                f"median {medians['old'] * 1e3:.1f} -> {medians['new'] * 1e3:.1f} ms, best "
+                f"{best['old'] * 1e3:.1f} -> {best['new'] * 1e3:.1f} ms)",
+                "ours": f"{medians['old'] / medians['new']:.3f}x",
+                "theirs": "-",
+                "times_s": times,
+            }
+        )
     return rows
 
 
