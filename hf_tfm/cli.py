@@ -611,19 +611,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     _require_model_dir(args.model)
     tokenizer = _load_tokenizer(args.model)
+    config = AutoConfig.from_pretrained(args.model, trust_remote_code=True)
     loading: dict[str, Any] = {}
     if args.quantize:
         from .quantization import QuantizationUnavailableError, quantization_kwargs
 
         try:
-            loading = quantization_kwargs(args.quantize)
-        except QuantizationUnavailableError as err:
+            loading = quantization_kwargs(args.quantize, config)
+        except (QuantizationUnavailableError, ValueError) as err:
             raise CliError(str(err)) from err
         # bitsandbytes logs a line per matmul (input casts) and per process (an optional Hub kernel it cannot fetch)
         logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     if args.dtype:
         loading["dtype"] = getattr(torch, args.dtype)
-    seq2seq = getattr(AutoConfig.from_pretrained(args.model, trust_remote_code=True), "is_encoder_decoder", False)
+    seq2seq = getattr(config, "is_encoder_decoder", False)
     if seq2seq:  # the prompt is the source; what streams out is the decoder's text
         model = AutoModelForSeq2SeqLM.from_pretrained(args.model, trust_remote_code=True, **loading).eval()
     else:

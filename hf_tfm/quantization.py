@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
     from transformers.utils.quantization_config import QuantizationConfigMixin
 
 # torch and transformers are imported where a config is built: `hf-tfm --help` lists the settings without them.
@@ -33,7 +34,7 @@ class QuantizationBackend:
     module: str  # what must be importable
     pip_spec: str  # what to install when it is not
     summary: str
-    make_config: Callable[[], "QuantizationConfigMixin"]
+    make_config: Callable[["PretrainedConfig"], "QuantizationConfigMixin"]  # of the model about to load
     dtype: str  # of what stays unquantized (embeddings, norms, `lm_head`) and of the activations
 
     def available(self) -> bool:
@@ -42,8 +43,8 @@ class QuantizationBackend:
         except ModuleNotFoundError:  # a dotted module whose parent package is missing
             return False
 
-    def loading_kwargs(self) -> dict[str, Any]:
-        """`from_pretrained` keyword arguments: `quantization_config` and `dtype`."""
+    def loading_kwargs(self, config: "PretrainedConfig") -> dict[str, Any]:
+        """`from_pretrained` keyword arguments for a model with this `config`: `quantization_config` and `dtype`."""
         if not self.available():
             raise QuantizationUnavailableError(
                 f"quantization setting {self.setting!r} ({self.summary}) needs {self.module}: "
@@ -51,23 +52,45 @@ class QuantizationBackend:
             )
         import torch
 
-        return {"quantization_config": self.make_config(), "dtype": getattr(torch, self.dtype)}
+        return {"quantization_config": self.make_config(config), "dtype": getattr(torch, self.dtype)}
 
 
-def _int8() -> "QuantizationConfigMixin":
+def _int8(config: "PretrainedConfig") -> "QuantizationConfigMixin":
     from torchao.quantization import Int8WeightOnlyConfig  # TorchAoConfig takes torchao's own config object
     from transformers import TorchAoConfig
 
     return TorchAoConfig(Int8WeightOnlyConfig())
 
 
-def _int4() -> "QuantizationConfigMixin":
-    from transformers import QuantoConfig
+def _linear_input_sizes(config: "PretrainedConfig") -> set[int]:
+    """The input features of every `nn.Linear` a quantizer replaces: the hidden, FFN and attention-output widths, on
+    each side of an encoder-decoder (experts are 3-D parameters, which no quantizer touches)."""
+    sizes = set()
+    for side in [config.encoder, config.decoder] if config.is_encoder_decoder else [config]:
+        ffn = (side.intermediate_size, side.shared_expert_intermediate_size)
+        sizes |= {side.hidden_size, side.num_attention_heads * side.head_dim, *(size for size in ffn if size)}
+    return sizes
 
-    return QuantoConfig(weights="int4")
+
+def _int4(config: "PretrainedConfig") -> "QuantizationConfigMixin":
+    # torchao's CPU int4 layout (a prototype in 0.18): its `_weight_int4pack_mm_for_cpu` GEMV read 4.3x fewer bytes
+    # and ran 4x faster than fp32 here with bf16 activations (50x slower with fp32 ones, hence bf16 around it).
+    # Groups of 128 input features share a scale and zero point; smaller groups where a layer's width needs them
+    # (torchao would silently leave such a layer unquantized).
+    from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    sizes = _linear_input_sizes(config)
+    group_size = next((g for g in (128, 64, 32) if all(size % g == 0 for size in sizes)), None)
+    if group_size is None:
+        raise ValueError(
+            f"--quantize int4 groups input features by 32, 64 or 128, but this model's linear layers take "
+            f"{sorted(sizes)} (hidden_size, intermediate_size, heads x head_dim): use nf4 or int8"
+        )
+    return TorchAoConfig(PrototypeInt4WeightOnlyConfig(group_size=group_size))
 
 
-def _nf4() -> "QuantizationConfigMixin":
+def _nf4(config: "PretrainedConfig") -> "QuantizationConfigMixin":
     import torch
     from transformers import BitsAndBytesConfig
 
@@ -81,22 +104,22 @@ def _nf4() -> "QuantizationConfigMixin":
 # One backend per setting: the fastest of those that ran here (README "Fast inference" has the table).
 BACKENDS: dict[str, QuantizationBackend] = {
     "int8": QuantizationBackend("int8", "torchao", "torchao==0.18.0", "torchao int8 weight-only", _int8, "float32"),
-    # optimum-quanto's int4 kernel takes bf16/fp16 activations only (fp32 inputs fail under inference mode).
     "int4": QuantizationBackend(
-        "int4", "optimum.quanto", "optimum-quanto==0.2.7", "optimum-quanto int4 weights", _int4, "bfloat16"
+        "int4", "torchao", "torchao==0.18.0", "torchao int4 weight-only, CPU kernel (not saveable)", _int4, "bfloat16"
     ),
     "nf4": QuantizationBackend("nf4", "bitsandbytes", "bitsandbytes==0.50.2", "bitsandbytes NF4", _nf4, "bfloat16"),
 }
 
 
-def quantization_kwargs(setting: str) -> dict[str, Any]:
-    """`from_pretrained` keyword arguments for a `--quantize` setting ("int8", "int4" or "nf4").
+def quantization_kwargs(setting: str, config: "PretrainedConfig") -> dict[str, Any]:
+    """`from_pretrained` keyword arguments for a `--quantize` setting ("int8", "int4" or "nf4") of a model with
+    `config`.
 
     Raises `QuantizationUnavailableError` naming the package to install when the setting's backend is missing.
     """
     if setting not in BACKENDS:
         raise ValueError(f"unknown quantization setting {setting!r}: choose one of {', '.join(BACKENDS)}")
-    return BACKENDS[setting].loading_kwargs()
+    return BACKENDS[setting].loading_kwargs(config)
 
 
 __all__ = ["BACKENDS", "QuantizationBackend", "QuantizationUnavailableError", "quantization_kwargs"]

@@ -578,7 +578,8 @@ def parse_args(argv=None):
         "--decode-settings",
         default=None,
         help="instead of the pair tasks: decode hf_tfm and in-tree Llama under each weight setting (comma list of "
-        f"{','.join(DECODE_SETTINGS)}, or all) against the measured streaming bandwidth",
+        f"{','.join(DECODE_SETTINGS)}, or all) against the measured streaming bandwidth; a setting with "
+        f"{COMPILED} appended decodes with a static cache and compiled generate()",
     )
     p.add_argument("--bandwidth-mib", type=int, default=None, help="size of the bandwidth GEMV (default: by --size)")
     p.add_argument(
@@ -603,8 +604,10 @@ def parse_args(argv=None):
     if args.decode_settings:
         all_settings = list(DECODE_SETTINGS)
         args.setting_list = all_settings if args.decode_settings == "all" else args.decode_settings.split(",")
-        if bad := set(args.setting_list) - set(all_settings):
+        if bad := {x for x in args.setting_list if x.removesuffix(COMPILED) not in all_settings}:
             p.error(f"unknown decode settings {sorted(bad)}")
+        if "fp32" not in args.setting_list:  # the reference of every speedup
+            args.setting_list.insert(0, "fp32")
     return args
 
 
@@ -902,12 +905,16 @@ def gpu_flash_vs_sdpa(pair_name: str, size: str, shp: dict, args, device: str, v
 # Decode settings: fp32, bf16 and each quantization backend, hf_tfm against in-tree Llama, against the bandwidth limit
 
 
-def _torchao(kind: str):
+def _torchao(kind: str, **kwargs):
     def make():
+        from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
         from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
 
-        config = Int8WeightOnlyConfig() if kind == "int8" else Int4WeightOnlyConfig(group_size=128)
-        return transformers.TorchAoConfig(config)
+        if kind == "int8":
+            config = Int8WeightOnlyConfig()
+        else:  # torchao's default int4 layout needs a CUDA kernel package (mslk); the prototype one is for CPUs
+            config = (Int4WeightOnlyConfig if kind == "int4" else PrototypeInt4WeightOnlyConfig)(group_size=128)
+        return transformers.TorchAoConfig(config, **kwargs)
 
     return make
 
@@ -929,6 +936,12 @@ DECODE_SETTINGS = {
     "bf16": (torch.bfloat16, None, "bf16 weights"),
     "torchao_int8": (torch.float32, _torchao("int8"), "torchao Int8WeightOnlyConfig"),
     "torchao_int4": (torch.bfloat16, _torchao("int4"), "torchao Int4WeightOnlyConfig(group_size=128)"),
+    "torchao_int4_cpu": (torch.bfloat16, _torchao("int4_cpu"), "torchao PrototypeInt4WeightOnlyConfig (CPU tinygemm)"),
+    "torchao_int4_cpu_head": (
+        torch.bfloat16,
+        _torchao("int4_cpu", include_input_output_embeddings=True),
+        "torchao PrototypeInt4WeightOnlyConfig, lm_head too",
+    ),
     "bnb_int8": (torch.float32, _bnb(load_in_8bit=True), "bitsandbytes LLM.int8()"),
     "bnb_nf4": (torch.bfloat16, _bnb(**NF4), "bitsandbytes NF4, bf16 compute"),
     "bnb_nf4_dq": (torch.bfloat16, _bnb(**NF4, bnb_4bit_use_double_quant=True), "bitsandbytes NF4, double-quantized"),
@@ -940,6 +953,9 @@ DECODE_SETTINGS = {
         "optimum-quanto int4, lm_head too",
     ),
 }
+
+
+COMPILED = "+compile"  # a setting with this suffix decodes with a static cache and compiled generate()
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -1028,14 +1044,20 @@ def _is_quantized(module: nn.Module) -> bool:
     return type(module) is not nn.Linear or type(module.weight) not in (torch.Tensor, nn.Parameter)
 
 
-def decode_setting_steps(model: nn.Module, shp: dict, vocab: int, batch: int) -> dict:
-    """generate() of `new` tokens and of 1 (the prefill alone), so their difference is the decode steps alone."""
+def decode_setting_steps(model: nn.Module, shp: dict, vocab: int, batch: int, compiled: bool) -> dict:
+    """generate() of `new` tokens and of 1 (the prefill alone), so their difference is the decode steps alone;
+    `compiled`: with a static cache, whose decode steps generate() compiles at the first call (the warm-up)."""
     ids = torch.randint(3, vocab, (batch, shp["prompt"]), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
+    extra = {}
+    if compiled:
+        cc = transformers.CompileConfig(fullgraph=False)  # bitsandbytes' and quanto's layers break the graph
+        cc._compile_all_devices = True  # private flag: generate() only auto-compiles on CUDA/XPU otherwise
+        extra = {"cache_implementation": "static", "compile_config": cc}
 
     def run(new: int):
         def step():  # generate()'s own no_grad: optimum-quanto's int4 kernel fails on inference-mode tensors
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, **extra)
             assert out.shape == (batch, shp["prompt"] + new), out.shape
 
         return step
@@ -1060,15 +1082,18 @@ def decode_settings(size: str, settings: list[str], args, bandwidth: dict) -> li
         gc.collect()
         for setting in settings:
             print(f"[bench] {size} decode setting {setting} ...", file=sys.stderr, flush=True)
-            row = {"size": size, "setting": setting, "what": DECODE_SETTINGS[setting][2]}
+            weights = setting.removesuffix(COMPILED)
+            compiled = weights != setting
+            what = DECODE_SETTINGS[weights][2] + (", static cache, compiled generate()" if compiled else "")
+            row = {"size": size, "setting": setting, "what": what}
             try:
-                models = {side: load_setting(classes[side], folders[side], setting) for side in folders}
+                models = {side: load_setting(classes[side], folders[side], weights) for side in folders}
                 for batch in shp["decode_batches"]:
                     steps = {}
                     for side, model in models.items():
-                        for kind, step in decode_setting_steps(model, shp, vocab, batch).items():
+                        for kind, step in decode_setting_steps(model, shp, vocab, batch, compiled).items():
                             steps[f"{side}_{kind}"] = step
-                    for s in steps.values():  # warm-up (bitsandbytes repacks its 4-bit weights at the first call)
+                    for s in steps.values():  # warm-up: bitsandbytes repacks its 4-bit weights, generate() compiles
                         s()
                     times = interleaved(steps, args.rounds)
                     for side in models:

@@ -109,3 +109,20 @@ def test_quality_script_tiny(tmp_path):
         if "error" not in row:
             assert math.isfinite(row["perplexity"]) and 0 < row["greedy_agreement"] <= 1
     assert json.loads((tmp_path / "q.json").read_text())["markdown"] == out["markdown"]
+
+
+@pytest.mark.slow
+def test_bench_decode_settings_compiled_tiny(tmp_path):
+    """A `+compile` setting decodes with a static cache and compiled generate() on both sides; fp32 (the reference
+    of every speedup) is measured even when not asked for."""
+    bench = load_bench()
+    threads = torch.get_num_threads()
+    try:
+        args = ["--size", "tiny", "--rounds", "1", "--threads", "1", "--decode-settings", "bf16+compile"]
+        out = bench.main([*args, "--json", str(tmp_path / "decode.json")])
+    finally:
+        torch.set_num_threads(threads)
+    rows = {r["setting"]: r for r in out["decode"]}
+    assert list(rows) == ["fp32", "bf16+compile"] and "compiled generate()" in rows["bf16+compile"]["what"]
+    for side in ("ours", "theirs"):
+        assert math.isfinite(rows["bf16+compile"][side]["b1_speedup_vs_fp32_in_tree"])
