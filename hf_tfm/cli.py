@@ -28,6 +28,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from .quantization import BACKENDS as QUANTIZATION_BACKENDS
+
 logger = logging.getLogger("hf_tfm.cli")
 
 DEMO_PROMPTS = ["def ", "import os\n", "class Queue:\n    ", '"""Return the']
@@ -52,6 +54,12 @@ DEMO_PROFILES: dict[str, dict[str, Any]] = {
         "s2s": {"max_steps": 300, "batch_size": 32, "seq_len": 48, "learning_rate": 1e-3},
         "max_new_tokens": 48,
     },
+}
+
+
+# `--quantize` settings and the backend each one uses (the fastest here; `hf_tfm.quantization.BACKENDS` builds them).
+QUANTIZE_HELP = {
+    setting: f"{backend.summary} (needs {backend.pip_spec})" for setting, backend in QUANTIZATION_BACKENDS.items()
 }
 
 
@@ -604,11 +612,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     _require_model_dir(args.model)
     tokenizer = _load_tokenizer(args.model)
-    seq2seq = getattr(AutoConfig.from_pretrained(args.model, trust_remote_code=True), "is_encoder_decoder", False)
+    config = AutoConfig.from_pretrained(args.model, trust_remote_code=True)
+    loading: dict[str, Any] = {}
+    if args.quantize:
+        from .quantization import QuantizationUnavailableError, quantization_kwargs
+
+        try:
+            loading = quantization_kwargs(args.quantize, config)
+        except (QuantizationUnavailableError, ValueError) as err:
+            raise CliError(str(err)) from err
+        # bitsandbytes logs a line per matmul (input casts) and per process (an optional Hub kernel it cannot fetch)
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    if args.dtype:
+        loading["dtype"] = getattr(torch, args.dtype)
+    seq2seq = getattr(config, "is_encoder_decoder", False)
     if seq2seq:  # the prompt is the source; what streams out is the decoder's text
-        model = AutoModelForSeq2SeqLM.from_pretrained(args.model, trust_remote_code=True).eval()
+        model = AutoModelForSeq2SeqLM.from_pretrained(args.model, trust_remote_code=True, **loading).eval()
     else:
-        model = load_causal_lm(args.model).eval()
+        model = load_causal_lm(args.model, **loading).eval()
     if args.seed is not None:
         torch.manual_seed(args.seed)
     options: dict[str, Any] = {"max_new_tokens": args.max_new_tokens}
@@ -856,6 +877,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-penalty", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--no-stream", action="store_true", help="print the text once at the end")
+    p.add_argument(
+        "--quantize",
+        choices=list(QUANTIZE_HELP),
+        help="quantize the weights while loading, for faster CPU decoding (README: Fast inference): "
+        + "; ".join(f"{k} = {v}" for k, v in QUANTIZE_HELP.items()),
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        help="dtype of the weights (default: the checkpoint's; with --quantize, of the unquantized ones)",
+    )
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("classify", help="labels and scores from a classifier folder")
@@ -917,6 +949,10 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("hf_tfm").setLevel(logging.INFO if args.verbose else logging.WARNING)
+    # Where torchao is installed, transformers imports it with every model: its CUDA-only extensions fail to load
+    # on a CPU and torch warns about its enum registrations. Neither is actionable here.
+    for noisy in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(noisy).setLevel(logging.INFO if args.verbose else logging.ERROR)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_info() if args.verbose else hf_logging.set_verbosity_error()

@@ -771,9 +771,10 @@ def _fmt(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
-def load_causal_lm(path: str | os.PathLike) -> PreTrainedModel:
-    """`AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`."""
-    return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+def load_causal_lm(path: str | os.PathLike, **kwargs: Any) -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **kwargs)` (`dtype`, a quantization config:
+    `hf_tfm.quantization.quantization_kwargs`)."""
+    return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **kwargs)
 
 
 __all__ = [

@@ -38,6 +38,15 @@ Matmul throughput: ``torch.matmul`` timed in the same run on the model's own lin
 FLOP/s (6 x tokens x matmul parameters + causal attention, see ``train_flops``) divided by that is the reported
 ``mm_frac``.
 
+Decode settings (``--decode-settings all`` or a comma list, instead of the pair tasks): the llama pair saved, then
+both sides loaded back through each weight setting of ``DECODE_SETTINGS`` (fp32, bf16 weights, and each quantization
+backend's transformers config), greedy ``generate()`` at batch 1 and 8. The ms per decode step is generate() of
+``new`` tokens minus generate() of 1 (the prefill), over ``new - 1``. The bytes of weights one step streams count
+every parameter and buffer but the embedding tables (one row each per token), in their quantized form with their
+scales. Their rate per step, divided by this machine's streaming bandwidth (``stream_bandwidth``: an fp32 GEMV over
+``BANDWIDTH_MIB``, measured in the same run), is the bandwidth fraction. A setting that fails to load or run here is
+reported with its error.
+
 Usage: ``python scripts/bench.py --size small --rounds 5 --json bench.json``. See ``--help``.
 """
 
@@ -112,6 +121,9 @@ PAIR_TASKS = {
     "bart": ("s2s_train", "s2s_generate_b1", "s2s_generate_b8"),
     "mixtral": ("train", "prefill", "decode_b1", "decode_b8"),
 }
+# MiB of fp32 weights in the streaming-bandwidth GEMV: well beyond the caches (the development machine's L3 holds
+# 480 MiB), except for the test's tiny size
+BANDWIDTH_MIB = {"tiny": 16, "small": 2048, "base": 2048}
 TRAIN_TASKS = ("train", "cls_train", "s2s_train")
 CAUSAL_PAIRS = ("llama", "gpt2", "mixtral")
 NUM_LABELS = 2
@@ -563,6 +575,20 @@ def parse_args(argv=None):
         help="also time static-cache generate() with compile_config, and a torch.compile'd hf_tfm train step",
     )
     p.add_argument(
+        "--decode-settings",
+        default=None,
+        help="instead of the pair tasks: decode hf_tfm and in-tree Llama under each weight setting (comma list of "
+        f"{','.join(DECODE_SETTINGS)}, or all) against the measured streaming bandwidth; a setting with "
+        f"{COMPILED} appended decodes with a static cache and compiled generate()",
+    )
+    p.add_argument("--bandwidth-mib", type=int, default=None, help="size of the bandwidth GEMV (default: by --size)")
+    p.add_argument(
+        "--compare-modeling",
+        metavar="REV",
+        default=None,
+        help="also time hf_tfm's decoding against hf_tfm/modeling.py at git revision REV (same weights, interleaved)",
+    )
+    p.add_argument(
         "--gpu",
         action="store_true",
         help="CUDA mode: bf16, MFU against the GPU's bf16 peak, and flash-attention vs sdpa (untested here)",
@@ -574,6 +600,14 @@ def parse_args(argv=None):
     if bad:
         p.error(f"unknown tasks {sorted(bad)}")
     args.pair_list = [x for x in args.pairs.split(",") if x]
+    args.setting_list = []
+    if args.decode_settings:
+        all_settings = list(DECODE_SETTINGS)
+        args.setting_list = all_settings if args.decode_settings == "all" else args.decode_settings.split(",")
+        if bad := {x for x in args.setting_list if x.removesuffix(COMPILED) not in all_settings}:
+            p.error(f"unknown decode settings {sorted(bad)}")
+        if "fp32" not in args.setting_list:  # the reference of every speedup
+            args.setting_list.insert(0, "fp32")
     return args
 
 
@@ -598,7 +632,14 @@ def main(argv=None) -> dict:
     results, extra = [], []
     t_start = time.time()
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
-    for size in args.sizes:
+    decode_rows, bandwidth = [], None
+    if args.setting_list:  # a decode-only run: each weight setting, hf_tfm and in-tree Llama
+        mib = args.bandwidth_mib or BANDWIDTH_MIB[args.sizes[0]]
+        bandwidth = stream_bandwidth(mib, torch.get_num_threads())
+        print(f"[bench] streaming bandwidth {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s", file=sys.stderr, flush=True)
+        for size in args.sizes:
+            decode_rows += decode_settings(size, args.setting_list, args, bandwidth)
+    for size in args.sizes if not args.setting_list else []:
         args.cur_size = size
         shp = SHAPES[size]
         for pair_name in args.pair_list:
@@ -649,6 +690,8 @@ def main(argv=None) -> dict:
                         "theirs": f"{rc['theirs']['speedup_over_eager_dynamic']:.2f}x",
                     }
                 )
+            if args.compare_modeling and pair.kind == "causal":
+                extra.extend(compare_modeling(pair, tasks, shp, args, vocab, size))
             if args.compile and pair.kind == "causal" and "train" in tasks:
                 extra.append(compiled_train(pair, shp, args, device, vocab, size, results))
             if pair_name == "mixtral":
@@ -672,6 +715,9 @@ def main(argv=None) -> dict:
     with contextlib.suppress(OSError):
         out["machine"]["loadavg_end"] = os.getloadavg()
     table = markdown(results, extra)
+    if args.setting_list:
+        out["bandwidth"], out["decode"] = bandwidth, decode_rows
+        table = decode_markdown(decode_rows, bandwidth, SHAPES[args.sizes[0]]["decode_batches"])
     out["markdown"] = table
     print(table)
     if args.json:
@@ -716,6 +762,69 @@ def experts_kernels(pair: Pair, tasks, shp: dict, args, device: str, vocab: int,
             }
         )
     model.set_experts_implementation(default)
+    return rows
+
+
+def modeling_at(rev: str):
+    """hf_tfm's `modeling.py` and `configuration.py` as they were at git revision `rev`, imported as a package of their
+    own (`hf_tfm_at_<rev>`), for A/B timing against the working tree's."""
+    import importlib
+    import subprocess
+    import tempfile
+
+    repo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    package = f"hf_tfm_at_{''.join(c if c.isalnum() else '_' for c in rev)}"
+    root = tempfile.mkdtemp(prefix="hf-tfm-bench-")
+    os.mkdir(os.path.join(root, package))
+    for name in ("configuration.py", "modeling.py"):
+        show = subprocess.run(["git", "show", f"{rev}:hf_tfm/{name}"], cwd=repo, capture_output=True, text=True)
+        if show.returncode:
+            raise SystemExit(f"--compare-modeling {rev}: {show.stderr.strip()}")
+        with open(os.path.join(root, package, name), "w") as f:
+            f.write(show.stdout)
+    open(os.path.join(root, package, "__init__.py"), "w").close()
+    sys.path.insert(0, root)
+    return importlib.import_module(f"{package}.modeling")
+
+
+def compare_modeling(pair: Pair, tasks, shp: dict, args, vocab: int, size: str) -> list[dict]:
+    """hf_tfm's decode steps against the same weights in `modeling.py` at `--compare-modeling REV`, interleaved; the
+    greedy tokens must be identical (the comparison is of overhead, not of results)."""
+    old_modeling = modeling_at(args.compare_modeling)
+    old = old_modeling.TfmForCausalLM(old_modeling.TfmConfig.from_dict(pair.ours.config.to_dict()))
+    old.load_state_dict(pair.ours.state_dict())
+    old.generation_config = pair.ours.generation_config
+    old.eval()
+    rows = []
+    for task in [t for t in ("decode_b1", "decode_b8") if t in tasks]:
+        print(f"[bench] {size} {pair.name} {task}: hf_tfm vs modeling.py@{args.compare_modeling} ...", file=sys.stderr)
+        batch = shp["decode_batches"][0 if task == "decode_b1" else 1]
+        ids = torch.randint(3, vocab, (batch, shp["prompt"]), generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "max_new_tokens": shp["new"]}
+            if not torch.equal(pair.ours.generate(**kwargs), old.generate(**kwargs)):
+                raise AssertionError(f"{task}: modeling.py@{args.compare_modeling} generates other tokens")
+        steps = {
+            "new": make_step(pair.ours, task, shp, vocab, "cpu", None),
+            "old": make_step(old, task, shp, vocab, "cpu", None),
+        }
+        for step in steps.values():
+            step()
+        times = interleaved(steps, args.rounds)
+        medians = {k: statistics.median(v) for k, v in times.items()}
+        best = {k: min(v) for k, v in times.items()}
+        rows.append(
+            {
+                "size": size,
+                "pair": pair.name,
+                "what": f"{task}: hf_tfm speedup over modeling.py@{args.compare_modeling} (identical tokens; "
+                f"median {medians['old'] * 1e3:.1f} -> {medians['new'] * 1e3:.1f} ms, best "
+                f"{best['old'] * 1e3:.1f} -> {best['new'] * 1e3:.1f} ms)",
+                "ours": f"{medians['old'] / medians['new']:.3f}x",
+                "theirs": "-",
+                "times_s": times,
+            }
+        )
     return rows
 
 
@@ -790,6 +899,259 @@ def gpu_flash_vs_sdpa(pair_name: str, size: str, shp: dict, args, device: str, v
             {"size": size, "pair": pair_name, "what": "flash_attention_2", "ours": f"error: {err}", "theirs": "-"}
         )
     return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Decode settings: fp32, bf16 and each quantization backend, hf_tfm against in-tree Llama, against the bandwidth limit
+
+
+def _torchao(kind: str, **kwargs):
+    def make():
+        from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
+
+        if kind == "int8":
+            config = Int8WeightOnlyConfig()
+        else:  # torchao's default int4 layout needs a CUDA kernel package (mslk); the prototype one is for CPUs
+            config = (Int4WeightOnlyConfig if kind == "int4" else PrototypeInt4WeightOnlyConfig)(group_size=128)
+        return transformers.TorchAoConfig(config, **kwargs)
+
+    return make
+
+
+def _bnb(**kwargs):
+    return lambda: transformers.BitsAndBytesConfig(**kwargs)
+
+
+def _quanto(weights: str, **kwargs):
+    return lambda: transformers.QuantoConfig(weights=weights, **kwargs)
+
+
+NF4 = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": torch.bfloat16}
+# setting -> (dtype of the unquantized weights, quantization config factory or None, what it is). The settings that
+# `hf-tfm generate --quantize` uses are `hf_tfm.quantization.BACKENDS`; "_head" variants quantize `lm_head` too
+# (`modules_to_not_convert=[]` replaces transformers' default skip list, which keeps the output embedding).
+DECODE_SETTINGS = {
+    "fp32": (torch.float32, None, "fp32 weights"),
+    "bf16": (torch.bfloat16, None, "bf16 weights"),
+    "torchao_int8": (torch.float32, _torchao("int8"), "torchao Int8WeightOnlyConfig"),
+    "torchao_int4": (torch.bfloat16, _torchao("int4"), "torchao Int4WeightOnlyConfig(group_size=128)"),
+    "torchao_int4_cpu": (torch.bfloat16, _torchao("int4_cpu"), "torchao PrototypeInt4WeightOnlyConfig (CPU tinygemm)"),
+    "torchao_int4_cpu_head": (
+        torch.bfloat16,
+        _torchao("int4_cpu", include_input_output_embeddings=True),
+        "torchao PrototypeInt4WeightOnlyConfig, lm_head too",
+    ),
+    "bnb_int8": (torch.float32, _bnb(load_in_8bit=True), "bitsandbytes LLM.int8()"),
+    "bnb_nf4": (torch.bfloat16, _bnb(**NF4), "bitsandbytes NF4, bf16 compute"),
+    "bnb_nf4_dq": (torch.bfloat16, _bnb(**NF4, bnb_4bit_use_double_quant=True), "bitsandbytes NF4, double-quantized"),
+    "quanto_int8": (torch.float32, _quanto("int8"), "optimum-quanto int8"),
+    "quanto_int4": (torch.bfloat16, _quanto("int4"), "optimum-quanto int4"),
+    "quanto_int4_head": (
+        torch.bfloat16,
+        _quanto("int4", modules_to_not_convert=[]),
+        "optimum-quanto int4, lm_head too",
+    ),
+}
+
+
+COMPILED = "+compile"  # a setting with this suffix decodes with a static cache and compiled generate()
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor holds: the inner tensors of a quantized tensor subclass (torchao, quanto), else its elements;
+    bitsandbytes keeps its scales beside the packed weight (`quant_state`, `SCB`)."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, name)) for name in names)
+    total = t.numel() * t.element_size()
+    state = getattr(t, "quant_state", None)
+    while state is not None:  # bitsandbytes 4-bit: absmax and code, nested once with double quantization
+        total += sum(x.numel() * x.element_size() for x in (state.absmax, state.code) if x is not None)
+        state = getattr(state, "state2", None)
+    scb = getattr(t, "SCB", None)
+    return total + (scb.numel() * scb.element_size() if scb is not None else 0)
+
+
+def streamed_weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights one decode step reads: every parameter and buffer except the embedding tables, of which a
+    step gathers one row per token (a tied `lm_head` reads the whole table, and counts it as its own weight)."""
+    seen, total = set(), 0
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            continue
+        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += tensor_bytes(t)
+    return total
+
+
+def stream_bandwidth(mib: int, threads: int, reps: int = 5) -> dict:
+    """This machine's streaming bandwidth: best time of `F.linear(x, W)` over an fp32 W of `mib` MiB (much larger
+    than the caches), as every decode step's GEMVs read their weights."""
+    cols = 4096
+    weight = torch.randn(mib * 2**20 // (4 * cols), cols)
+    x = torch.randn(1, cols)
+    nn.functional.linear(x, weight)
+    best = min(_timed(lambda: nn.functional.linear(x, weight)) for _ in range(reps))
+    nbytes = weight.numel() * weight.element_size()
+    return {"bytes": nbytes, "best_s": best, "bytes_per_s": nbytes / best, "threads": threads}
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def load_setting(cls, folder: str, setting: str):
+    """`cls.from_pretrained` under the setting. transformers reports a weight that failed to quantize only in its load
+    report (then raises "look at the CONVERSION entries"), so the report is captured and its error line re-raised; a
+    config that quantized nothing (torchao skips layers it cannot group) is an error too."""
+    import logging
+    import re
+
+    dtype, make_config, _ = DECODE_SETTINGS[setting]
+    kwargs = {"dtype": dtype}
+    if make_config is not None:
+        kwargs["quantization_config"] = make_config()
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    library_logger = logging.getLogger("transformers")
+    library_logger.addHandler(handler)
+    transformers.logging.set_verbosity_warning()
+    try:
+        model = cls.from_pretrained(folder, **kwargs).eval()
+    except RuntimeError as err:
+        causes = re.findall(r"^\s*(\w+(?:Error|Exception): .+)$", "\n".join(records), flags=re.MULTILINE)
+        raise RuntimeError(causes[-1] if causes else str(err)) from err
+    finally:
+        library_logger.removeHandler(handler)
+        transformers.logging.set_verbosity_error()
+    if make_config is not None and not any(_is_quantized(m) for m in model.model.layers.modules()):
+        raise RuntimeError(f"{DECODE_SETTINGS[setting][2]} quantized no layer of this model")
+    gc_ = model.generation_config  # exactly `new` tokens: no EOS stop, greedy
+    gc_.eos_token_id, gc_.pad_token_id, gc_.do_sample = None, 0, False
+    return model
+
+
+def _is_quantized(module: nn.Module) -> bool:
+    """A layer replaced by a quantized class (bitsandbytes, quanto) or holding a quantized tensor (torchao)."""
+    if not isinstance(module, nn.Linear) and not hasattr(module, "qweight") and "Linear" not in type(module).__name__:
+        return False
+    return type(module) is not nn.Linear or type(module.weight) not in (torch.Tensor, nn.Parameter)
+
+
+def decode_setting_steps(model: nn.Module, shp: dict, vocab: int, batch: int, compiled: bool) -> dict:
+    """generate() of `new` tokens and of 1 (the prefill alone), so their difference is the decode steps alone;
+    `compiled`: with a static cache, whose decode steps generate() compiles at the first call (the warm-up)."""
+    ids = torch.randint(3, vocab, (batch, shp["prompt"]), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    extra = {}
+    if compiled:
+        cc = transformers.CompileConfig(fullgraph=False)  # bitsandbytes' and quanto's layers break the graph
+        cc._compile_all_devices = True  # private flag: generate() only auto-compiles on CUDA/XPU otherwise
+        extra = {"cache_implementation": "static", "compile_config": cc}
+
+    def run(new: int):
+        def step():  # generate()'s own no_grad: optimum-quanto's int4 kernel fails on inference-mode tensors
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, **extra)
+            assert out.shape == (batch, shp["prompt"] + new), out.shape
+
+        return step
+
+    return {"full": run(shp["new"]), "prefill": run(1)}
+
+
+def decode_settings(size: str, settings: list[str], args, bandwidth: dict) -> list[dict]:
+    """Per setting: hf_tfm and in-tree Llama (same weights) loaded through it, ms per decode step at B=1 and B=8,
+    bytes of weights per step, achieved GB/s and its fraction of `bandwidth`, interleaved round by round."""
+    import tempfile
+
+    shp, vocab = SHAPES[size], SIZES[size]["vocab"]
+    pair = build_pair("llama", size, torch.float32, args.attn, "cpu")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = {"ours": os.path.join(tmp, "hf_tfm"), "theirs": os.path.join(tmp, "llama")}
+        pair.ours.save_pretrained(folders["ours"])
+        pair.theirs.save_pretrained(folders["theirs"])
+        classes = {"ours": type(pair.ours), "theirs": type(pair.theirs)}
+        del pair
+        gc.collect()
+        for setting in settings:
+            print(f"[bench] {size} decode setting {setting} ...", file=sys.stderr, flush=True)
+            weights = setting.removesuffix(COMPILED)
+            compiled = weights != setting
+            what = DECODE_SETTINGS[weights][2] + (", static cache, compiled generate()" if compiled else "")
+            row = {"size": size, "setting": setting, "what": what}
+            try:
+                models = {side: load_setting(classes[side], folders[side], weights) for side in folders}
+                for batch in shp["decode_batches"]:
+                    steps = {}
+                    for side, model in models.items():
+                        for kind, step in decode_setting_steps(model, shp, vocab, batch, compiled).items():
+                            steps[f"{side}_{kind}"] = step
+                    for s in steps.values():  # warm-up: bitsandbytes repacks its 4-bit weights, generate() compiles
+                        s()
+                    times = interleaved(steps, args.rounds)
+                    for side in models:
+                        full = statistics.median(times[f"{side}_full"])
+                        prefill = statistics.median(times[f"{side}_prefill"])
+                        row.setdefault(side, {})[f"b{batch}_step_s"] = (full - prefill) / (shp["new"] - 1)
+            except Exception as err:  # a backend that does not run here is reported, with its error
+                row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
+                rows.append(row)
+                print(f"[bench]   {row['error']}", file=sys.stderr, flush=True)
+                continue
+            for side, model in models.items():
+                nbytes = streamed_weight_bytes(model)
+                row[side]["weight_bytes_per_step"] = nbytes
+                for batch in shp["decode_batches"]:
+                    achieved = nbytes / row[side][f"b{batch}_step_s"]
+                    row[side][f"b{batch}_bytes_per_s"] = achieved
+                    row[side][f"b{batch}_bandwidth_frac"] = achieved / bandwidth["bytes_per_s"]
+            rows.append(row)
+            del models
+            gc.collect()
+    reference = next((r for r in rows if r["setting"] == "fp32" and "error" not in r), None)
+    for row in rows:  # speedup over fp32 in-tree generate(), per batch size
+        if reference is None or "error" in row:
+            continue
+        for side in ("ours", "theirs"):
+            for batch in shp["decode_batches"]:
+                key = f"b{batch}_step_s"
+                row[side][f"b{batch}_speedup_vs_fp32_in_tree"] = reference["theirs"][key] / row[side][key]
+    return rows
+
+
+def decode_markdown(rows: list[dict], bandwidth: dict, batches: tuple[int, int]) -> str:
+    b1, b8 = batches
+    lines = [
+        f"Streaming bandwidth (fp32 GEMV over {bandwidth['bytes'] / 2**20:.0f} MiB): "
+        f"{bandwidth['bytes_per_s'] / 1e9:.1f} GB/s",
+        "",
+        f"| size | setting | weights | MB/step | hf_tfm ms B={b1} | in-tree ms B={b1} | hf_tfm ms B={b8} "
+        f"| in-tree ms B={b8} | vs fp32 in-tree B={b1} (hf_tfm / in-tree) | vs fp32 in-tree B={b8} "
+        f"| GB/s B={b1} (hf_tfm) | bandwidth frac B={b1} (hf_tfm / in-tree) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['size']} | {r['setting']} | {r['what']} | fails: {r['error']} ||||||||")
+            continue
+        o, t = r["ours"], r["theirs"]
+        lines.append(
+            f"| {r['size']} | {r['setting']} | {r['what']} | {o['weight_bytes_per_step'] / 1e6:.1f} "
+            f"| {o[f'b{b1}_step_s'] * 1e3:.1f} | {t[f'b{b1}_step_s'] * 1e3:.1f} "
+            f"| {o[f'b{b8}_step_s'] * 1e3:.1f} | {t[f'b{b8}_step_s'] * 1e3:.1f} "
+            f"| **{o[f'b{b1}_speedup_vs_fp32_in_tree']:.2f}x** / {t[f'b{b1}_speedup_vs_fp32_in_tree']:.2f}x "
+            f"| {o[f'b{b8}_speedup_vs_fp32_in_tree']:.2f}x "
+            f"| {o[f'b{b1}_bytes_per_s'] / 1e9:.1f} "
+            f"| {o[f'b{b1}_bandwidth_frac']:.2f} / {t[f'b{b1}_bandwidth_frac']:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
@@ -55,3 +56,73 @@ def test_bench_tiny_end_to_end(tmp_path):
     kernels = [e for e in out["extra"] if e["pair"] == "mixtral" and "experts kernel" in e["what"]]
     assert [set(e["medians_ms"]) for e in kernels] == [set(k) for k in bench.KERNELS_BY_TASK.values()]
     assert out["machine"]["torch"] == torch.__version__
+
+
+def test_bench_decode_settings_tiny(tmp_path):
+    """`--decode-settings`: every weight setting on both sides, bytes per step, bandwidth fractions, and the failures
+    reported with their error rather than skipped."""
+    bench = load_bench()
+    threads = torch.get_num_threads()
+    out_path = tmp_path / "decode.json"
+    try:
+        args = ["--size", "tiny", "--rounds", "1", "--threads", "1", "--decode-settings", "all"]
+        bench.main([*args, "--json", str(out_path)])
+    finally:
+        torch.set_num_threads(threads)
+    out = json.loads(out_path.read_text())
+    assert out["bandwidth"]["bytes_per_s"] > 0
+    rows = {r["setting"]: r for r in out["decode"]}
+    assert list(rows) == list(bench.DECODE_SETTINGS)
+    fp32_bytes = rows["fp32"]["ours"]["weight_bytes_per_step"]
+    for setting, row in rows.items():
+        if "error" in row:
+            assert row["error"] and f"| {setting} |" in out["markdown"]
+            continue
+        for side in ("ours", "theirs"):
+            for batch in bench.SHAPES["tiny"]["decode_batches"]:
+                assert row[side][f"b{batch}_step_s"] > 0 and row[side][f"b{batch}_bandwidth_frac"] > 0
+                assert math.isfinite(row[side][f"b{batch}_speedup_vs_fp32_in_tree"])
+        # the same weights on both sides, and quantization streams fewer bytes than fp32
+        assert row["ours"]["weight_bytes_per_step"] == row["theirs"]["weight_bytes_per_step"]
+        if setting != "fp32":
+            assert row["ours"]["weight_bytes_per_step"] < fp32_bytes, setting
+    assert "error" not in rows["fp32"] and "error" not in rows["bf16"]
+    # half the bytes, up to the rotary buffers (kept in fp32)
+    assert rows["bf16"]["ours"]["weight_bytes_per_step"] * 2 == pytest.approx(fp32_bytes, rel=1e-3)
+
+
+def test_quality_script_tiny(tmp_path):
+    """`scripts/quality.py` trains its LM on the demo's corpus, then scores every setting against fp32."""
+    spec = importlib.util.spec_from_file_location("hf_tfm_quality", BENCH.parent / "quality.py")
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+    threads = torch.get_num_threads()
+    try:
+        out = quality.main(["--size", "tiny", "--steps", "3", "--threads", "1", "--json", str(tmp_path / "q.json")])
+    finally:
+        torch.set_num_threads(threads)
+    rows = {r["setting"]: r for r in out["results"]}
+    assert set(rows) == set(load_bench().DECODE_SETTINGS)
+    assert rows["fp32"]["perplexity"] == pytest.approx(out["fp32"]["perplexity"])
+    assert rows["fp32"]["greedy_agreement"] == 1
+    for row in rows.values():
+        if "error" not in row:
+            assert math.isfinite(row["perplexity"]) and 0 < row["greedy_agreement"] <= 1
+    assert json.loads((tmp_path / "q.json").read_text())["markdown"] == out["markdown"]
+
+
+@pytest.mark.slow
+def test_bench_decode_settings_compiled_tiny(tmp_path):
+    """A `+compile` setting decodes with a static cache and compiled generate() on both sides; fp32 (the reference
+    of every speedup) is measured even when not asked for."""
+    bench = load_bench()
+    threads = torch.get_num_threads()
+    try:
+        args = ["--size", "tiny", "--rounds", "1", "--threads", "1", "--decode-settings", "bf16+compile"]
+        out = bench.main([*args, "--json", str(tmp_path / "decode.json")])
+    finally:
+        torch.set_num_threads(threads)
+    rows = {r["setting"]: r for r in out["decode"]}
+    assert list(rows) == ["fp32", "bf16+compile"] and "compiled generate()" in rows["bf16+compile"]["what"]
+    for side in ("ours", "theirs"):
+        assert math.isfinite(rows["bf16+compile"][side]["b1_speedup_vs_fp32_in_tree"])

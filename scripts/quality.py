@@ -1,0 +1,159 @@
+#!/usr/bin/env python
+"""What each weight setting costs in quality: perplexity and greedy agreement with fp32 on held-out text.
+
+A small hf_tfm causal LM is trained briefly on the demo's corpus (the Python standard library's own source, split by
+file; every 20th file is held out) with a byte-level BPE tokenizer trained on the training files, then saved in fp32.
+Each setting of `scripts/bench.py`'s `DECODE_SETTINGS` (bf16 weights and every quantization backend) loads that
+folder through `from_pretrained` and is scored on the held-out blocks against the fp32 model:
+
+- perplexity: exp of the mean next-token loss over every held-out position;
+- greedy agreement: the share of positions whose most likely next token is fp32's.
+
+Nothing is downloaded. Usage: `python scripts/quality.py --size small --steps 600 --json quality.json`.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import transformers
+from bench import DECODE_SETTINGS, load_setting, machine_info
+
+from hf_tfm import TfmConfig, TfmForCausalLM
+from hf_tfm.data import stdlib_files
+from hf_tfm.recipes import TrainSettings, pack_texts, pretrain_causal_lm
+from hf_tfm.tokenization import train_bpe_tokenizer
+
+# The model: the bench's `small` width and depth (the 4-bit kernels need whole blocks: bitsandbytes' output sizes
+# divisible by 32, quanto's int4 groups of 128 input features, hence an intermediate size of 3 x hidden).
+SIZES = {
+    "tiny": {"hidden": 128, "layers": 2, "heads": 4, "vocab": 512, "corpus_chars": 300_000, "eval_blocks": 4},
+    "small": {"hidden": 256, "layers": 4, "heads": 4, "vocab": 2048, "corpus_chars": 4_000_000, "eval_blocks": 128},
+}
+
+
+def corpus(max_chars: int) -> tuple[list[str], list[str]]:
+    files = stdlib_files(max_chars, max_file_chars=20_000)
+    return [f.text for i, f in enumerate(files) if i % 20], [f.text for f in files[::20]]
+
+
+def train_model(size: str, steps: int, seq_len: int, folder: str) -> dict:
+    s = SIZES[size]
+    train_texts, eval_texts = corpus(s["corpus_chars"])
+    tokenizer = train_bpe_tokenizer(train_texts, vocab_size=s["vocab"])
+    config = TfmConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=s["hidden"],
+        intermediate_size=3 * s["hidden"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=False,  # as the bench's llama pair: lm_head is a weight of its own
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    settings = TrainSettings(max_steps=steps, batch_size=16, seq_len=seq_len, learning_rate=2e-3, evals=1)
+    metrics = pretrain_causal_lm(config, tokenizer, train_texts, eval_texts, settings, folder)
+    blocks = pack_texts(tokenizer, eval_texts, seq_len)[: s["eval_blocks"]]
+    return {"blocks": blocks, "train_eval_loss": metrics.get("eval_loss"), "parameters": metrics.get("parameters")}
+
+
+@torch.no_grad()  # not inference mode: optimum-quanto's int4 kernel fails on inference-mode tensors
+def score(model, blocks: list[list[int]], reference: list[torch.Tensor] | None, batch: int = 8) -> dict:
+    """Perplexity over every next-token prediction, and (given fp32's argmax per batch) greedy agreement."""
+    nll, count, agree, argmaxes = 0.0, 0, 0, []
+    for i in range(0, len(blocks), batch):
+        ids = torch.tensor(blocks[i : i + batch])
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        targets = ids[:, 1:]
+        nll += torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").item()
+        count += targets.numel()
+        top = logits.argmax(-1)
+        argmaxes.append(top)
+        if reference is not None:
+            agree += (top == reference[i // batch]).sum().item()
+    result = {"perplexity": math.exp(nll / count), "tokens": count, "argmax": argmaxes}
+    if reference is not None:
+        result["greedy_agreement"] = agree / count
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="small", choices=list(SIZES))
+    p.add_argument("--steps", type=int, default=600, help="training steps (batch 16 x --seq-len)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--settings", default="all", help=f"comma list of {','.join(DECODE_SETTINGS)}, or all")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+    settings = list(DECODE_SETTINGS) if args.settings == "all" else args.settings.split(",")
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    start, load_start = time.time(), os.getloadavg()
+
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        trained = train_model(args.size, args.steps, args.seq_len, folder)
+        blocks = trained["blocks"]
+        fp32 = score(TfmForCausalLM.from_pretrained(folder).eval(), blocks, None)
+        for setting in settings:
+            print(f"[quality] {setting} ...", file=sys.stderr, flush=True)
+            row = {"setting": setting, "what": DECODE_SETTINGS[setting][2]}
+            try:
+                result = score(load_setting(TfmForCausalLM, folder, setting), blocks, fp32["argmax"])
+            except Exception as err:  # reported, as the bench reports it
+                row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
+            else:
+                row["perplexity"] = result["perplexity"]
+                row["perplexity_vs_fp32"] = result["perplexity"] / fp32["perplexity"] - 1
+                row["greedy_agreement"] = result["greedy_agreement"]
+            rows.append(row)
+
+    lines = [
+        f"fp32 held-out perplexity {fp32['perplexity']:.3f} over {fp32['tokens']} next-token predictions",
+        "",
+        "| setting | weights | perplexity | vs fp32 | greedy agreement with fp32 |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['setting']} | {r['what']} | fails: {r['error']} |||")
+        else:
+            lines.append(
+                f"| {r['setting']} | {r['what']} | {r['perplexity']:.3f} | {100 * r['perplexity_vs_fp32']:+.2f}% "
+                f"| {r['greedy_agreement']:.3f} |"
+            )
+    table = "\n".join(lines)
+    print(table)
+    out = {
+        "machine": {**machine_info("cpu"), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
+        "command": " ".join(["scripts/quality.py", *(argv if argv is not None else sys.argv[1:])]),
+        "args": vars(args),
+        "model": dict(SIZES[args.size]),
+        "parameters": trained["parameters"],
+        "fp32": {"perplexity": fp32["perplexity"], "tokens": fp32["tokens"]},
+        "results": rows,
+        "wall_s": time.time() - start,
+        "markdown": table,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    return out
+
+
+if __name__ == "__main__":
+    main()
