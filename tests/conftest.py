@@ -18,6 +18,20 @@ import hf_tfm  # noqa: F401  (registers the Auto classes)
 from hf_tfm import TfmConfig, TfmSeq2SeqConfig
 from hf_tfm.modeling import CACHE_NAME
 
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """After a test that compiled, dynamo forgets its graphs. Its recompile limit (8 per code object) counts over the
+    whole process, and transformers' decorators wrap every model's forward in one shared code object, so the suite's
+    compiling tests would otherwise exhaust it for whichever of them runs ninth (a fullgraph=True failure)."""
+    yield
+    import torch._dynamo.utils
+
+    if torch._dynamo.utils.counters["stats"]["unique_graphs"]:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()  # reset() keeps them; cleared, they say whether the next test compiled
+
+
 # Tiny sizes: every test model has about 60k parameters and runs in milliseconds on one CPU thread.
 TINY = {
     "vocab_size": 99,
