@@ -6,6 +6,7 @@ Import the plain functions from other test files with `from conftest import tiny
 
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -30,6 +31,26 @@ def fresh_dynamo():
     if torch._dynamo.utils.counters["stats"]["unique_graphs"]:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()  # reset() keeps them; cleared, they say whether the next test compiled
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_blocks(section: str, language: str = "python") -> list[str]:
+    """The fenced code blocks of one language in the README section between `<!-- section: NAME` and its end marker."""
+    text = README.read_text().split(f"<!-- section: {section}")[1].split(f"<!-- end section: {section}")[0]
+    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.DOTALL)
+
+
+def run_readme_blocks(section: str, count: int, directory: Path, monkeypatch) -> dict:
+    """Run a README section's `count` Python blocks as written, in one namespace, from a scratch `directory`."""
+    blocks = readme_blocks(section)
+    assert len(blocks) == count
+    monkeypatch.chdir(directory)
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, str(README), "exec"), namespace)
+    return namespace
 
 
 # Tiny sizes: every test model has about 60k parameters and runs in milliseconds on one CPU thread.

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_without_hf_tfm
+from conftest import readme_blocks, run_without_hf_tfm
 from safetensors import safe_open
-from test_training import EXPECTED_AUTO_MAP, readme_training_blocks
+from test_training import EXPECTED_AUTO_MAP
 
 from hf_tfm import TfmConfig, TfmForCausalLM, TfmForMaskedLM
 from hf_tfm.modeling import TRAINER_TAKES_SHARDED_MODELS
@@ -109,7 +109,7 @@ def test_native_fsdp2_trains_sharded_and_saves_a_loadable_checkpoint(tmp_path, t
 
 def test_readme_accelerate_ddp_launch(tmp_path):
     """The README's `accelerate launch --config_file examples/accelerate/ddp.yaml` command: real 2-process DDP."""
-    commands = [line for block in readme_training_blocks("bash") for line in block.splitlines()]
+    commands = [line for block in readme_blocks("training", "bash") for line in block.splitlines()]
     ddp = next(line for line in commands if "ddp.yaml" in line)
     argv = ddp.replace("out/ddp", str(tmp_path / "ddp")).split()
     assert argv[:2] == ["accelerate", "launch"]

@@ -8,15 +8,21 @@ tensor and expert parallelism) are marked slow.
 
 import copy
 import json
-import re
 from unittest import mock
 
 import pytest
 import torch
-from conftest import build, enable_activation_checkpointing, random_ids, run_without_hf_tfm, tiny_config
+from conftest import (
+    build,
+    enable_activation_checkpointing,
+    random_ids,
+    run_readme_blocks,
+    run_without_hf_tfm,
+    tiny_config,
+)
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors import safe_open
-from test_training import README, lm_examples, max_param_diff, training_args
+from test_training import lm_examples, max_param_diff, training_args
 from transformers import Trainer
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
@@ -672,14 +678,7 @@ def test_pretrain_the_moe_preset(tmp_path):
 
 def test_readme_moe_blocks_run(tmp_path, monkeypatch):
     """The README's Mixture-of-experts blocks run as written (in one namespace, in a scratch directory)."""
-    text = README.read_text()
-    section = text.split("<!-- section: moe")[1].split("<!-- end section: moe -->")[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
-    assert len(blocks) == 4
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, str(README), "exec"), namespace)
+    namespace = run_readme_blocks("moe", 4, tmp_path, monkeypatch)
     train_loss = namespace["trainer"].state.log_history[-1]["train_loss"]
     assert 0 < train_loss < 5.0, train_loss  # ln(99) = 4.6 untrained, plus the aux loss (~0.002)
     assert (tmp_path / "out" / "moe-lora" / "adapter_config.json").is_file()

@@ -17,12 +17,11 @@ takes output sizes divisible by 32, quanto's int4 groups 128 input features.
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass, field
 
 import pytest
 import torch
-from conftest import random_ids, run_without_hf_tfm
+from conftest import random_ids, run_readme_blocks, run_without_hf_tfm
 from torch import nn
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
@@ -407,15 +406,7 @@ def test_readme_fast_inference_blocks(tmp_path, monkeypatch):
     """The README's quantized-loading and QLoRA blocks run as written (one namespace, a scratch directory)."""
     for module in ("bitsandbytes", "torchao", "peft"):
         pytest.importorskip(module, reason="the README's blocks use it (in the dev extra)")
-    from test_training import README
-
-    section = README.read_text().split("<!-- section: fast-inference")[1].split("<!-- end section: fast-inference")[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
-    assert len(blocks) == 2
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, str(README), "exec"), namespace)
+    namespace = run_readme_blocks("fast-inference", 2, tmp_path, monkeypatch)
     assert namespace["out"].shape == namespace["fast"].shape == (1, 12)
     assert is_quantized(namespace["int4"].model.layers[0].mlp.up_proj)
     assert json.loads((tmp_path / "out" / "lm-int8" / "config.json").read_text())["quantization_config"]

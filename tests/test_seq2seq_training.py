@@ -7,8 +7,6 @@ the saved model's own logits, and the checkpoint loaded where hf_tfm cannot be i
 
 import copy
 import json
-import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from conftest import (
     build,
     enable_activation_checkpointing,
     random_ids,
+    run_readme_blocks,
     run_without_hf_tfm,
     tiny_config,
     tiny_seq2seq_config,
@@ -259,18 +258,9 @@ def test_remote_code_round_trip_without_hf_tfm(tmp_path):
     assert result["beams"] == model.generate(input_ids=src, max_new_tokens=5, num_beams=2, do_sample=False).tolist()
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-
-
 def test_readme_seq2seq_blocks(tmp_path, monkeypatch):
     """The README's encoder-decoder blocks run as written (in one namespace, in a scratch directory)."""
-    section = README.read_text().split("<!-- section: seq2seq")[1].split("<!-- end section: seq2seq -->")[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
-    assert len(blocks) == 2
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, str(README), "exec"), namespace)
+    namespace = run_readme_blocks("seq2seq", 2, tmp_path, monkeypatch)
     assert namespace["model"].config.encoder.num_hidden_layers == 3
     assert namespace["beams"].shape[0] == 4 and namespace["greedy"].shape[0] == 2
     assert torch.equal(namespace["again"], namespace["greedy"]) and torch.equal(

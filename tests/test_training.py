@@ -5,12 +5,10 @@ Every comparison has an independent oracle: a plain PyTorch step, an uninterrupt
 
 import copy
 import json
-import re
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import enable_activation_checkpointing, random_ids, run_without_hf_tfm, tiny_config
+from conftest import enable_activation_checkpointing, random_ids, run_readme_blocks, run_without_hf_tfm, tiny_config
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 from hf_tfm import AUTO_CLASSES, TfmForCausalLM, TfmForMaskedLM, TfmForSequenceClassification
@@ -269,24 +267,9 @@ def test_trainer_step_with_packing_equals_padded_step(tmp_path):
     assert max_param_diff(models["packed"], models["padded"]) < 1e-6
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-
-
-def readme_training_blocks(language: str) -> list[str]:
-    """The fenced code blocks of one language in the README's training section."""
-    text = README.read_text()
-    section = text.split("<!-- section: training")[1].split("<!-- end section: training -->")[0]
-    return re.findall(rf"```{language}\n(.*?)```", section, flags=re.DOTALL)
-
-
 def test_readme_training_blocks(tmp_path, monkeypatch):
     """The README's Trainer and LoRA blocks run as written (in one namespace, in a scratch directory)."""
-    blocks = readme_training_blocks("python")
-    assert len(blocks) == 2
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, str(README), "exec"), namespace)
+    namespace = run_readme_blocks("training", 2, tmp_path, monkeypatch)
     final = tmp_path / "out" / "finetune" / "final"
     assert json.loads((final / "config.json").read_text())["auto_map"] == EXPECTED_AUTO_MAP
     assert (final / "modeling.py").is_file() and (tmp_path / "out" / "lora" / "adapter_config.json").is_file()
