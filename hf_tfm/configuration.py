@@ -13,6 +13,9 @@ from huggingface_hub.dataclasses import strict
 from huggingface_hub.errors import StrictDataclassError
 from transformers import DistributedConfig, PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # config.json keys written by transformers or the ecosystem that are not fields of a default config (legacy RoPE keys
@@ -38,12 +41,64 @@ else:
 MOE_EP_PLAN |= {"layers.*.mlp.experts.gate_up_proj": "grouped_gemm", "layers.*.mlp.experts.down_proj": "grouped_gemm"}
 # A q/k norm over the whole projection (`qk_norm_scope="projection"`) needs every head: the projections are gathered
 # before it and split again before `o_proj`, as OLMoE's plan does.
+# Tensor parallelism, as Llama's plan; `TfmConfig.base_model_tp_plan` keeps the entries its configuration builds.
+# `embed_tokens` is named here, not left to the release (newer ones add it, 5.16 does not), so a head tied to it
+# (`lm_head`, sharded on the vocabulary too) is sharded together with it on every release.
+ATTENTION_TP_PLAN = {
+    "embed_tokens": "embedding_rowwise",
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+}
+GLU_TP_PLAN = {"layers.*.mlp.gate_proj": "colwise"}
+MLP_TP_PLAN = {"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
+# Mixture-of-experts layers: experts sharded on their width, as Mixtral / Qwen2-MoE; the router and the shared expert
+# are replicated.
+EXPERTS_TP_PLAN = {
+    "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+    "layers.*.mlp.experts.down_proj": "rowwise",
+    "layers.*.mlp.experts": "moe_tp_experts",
+}
 PROJECTION_QK_NORM_TP_PLAN = {
     "layers.*.self_attn.q_proj": "colwise_gather_output",
     "layers.*.self_attn.k_proj": "colwise_gather_output",
     "layers.*.self_attn.v_proj": "colwise_gather_output",
     "layers.*.self_attn.o_proj": "rowwise_split_input",
 }
+
+
+def _no_effect(knob: str, value, why: str) -> None:
+    """A knob set where this configuration does not read it: accepted, as the in-tree configs accept it, and said."""
+    logger.warning(f"`{knob}`={value!r} has no effect: {why}.")
+
+
+@functools.cache
+def _known_keys(config_class: type) -> frozenset[str]:
+    """Every key a config of this class reads or transformers writes into its config.json."""
+    own = set(config_class().to_dict()) | {field.name for field in dataclasses.fields(config_class)}
+    own |= {name for name, value in vars(config_class).items() if isinstance(value, property)}
+    return frozenset(own | set(PreTrainedConfig().to_dict()) | set(config_class.attribute_map) | EXTRA_CONFIG_KEYS)
+
+
+def _warn_unknown_keys(config: PreTrainedConfig, keys) -> None:
+    """Keys the config does not read are kept as attributes and saved back, as in-tree configs keep them (tools and
+    transformers' own tests write such keys); a misspelt knob, though, would silently build another model: one warning
+    names them, with the nearest knob."""
+    keys = [key for key in keys if not key.startswith("_") and not key.endswith("_token_id")]  # bookkeeping, ids
+    unknown = sorted(set(keys) - _known_keys(type(config))) if keys else []
+    if not unknown:
+        return
+    knobs = [field.name for field in dataclasses.fields(type(config))]
+    hints = [
+        f"`{key}`" + "".join(f" (did you mean `{m}`?)" for m in difflib.get_close_matches(key, knobs, 1))
+        for key in unknown
+    ]
+    logger.warning(
+        f"{type(config).__name__} does not read {', '.join(hints)}: kept as attributes (and saved), but this model "
+        "ignores them. If a newer hf_tfm saved this config, they may be knobs this version does not know, and the "
+        "model may compute something else than it did there: upgrade hf_tfm."
+    )
 
 
 @strict
@@ -57,24 +112,6 @@ class TfmConfig(PreTrainedConfig):
 
     model_type = "hf_tfm"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the output field's name on newer / older releases
-    base_model_tp_plan = {
-        # Named here, not left to the release (newer ones add it, 5.16 does not), so a head tied to it (`lm_head`,
-        # sharded on the vocabulary too) is sharded together with it on every release.
-        "embed_tokens": "embedding_rowwise",
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.gate_proj": "colwise",
-        "layers.*.mlp.up_proj": "colwise",
-        "layers.*.mlp.down_proj": "rowwise",
-        # Mixture-of-experts layers (`num_experts`): experts sharded on their width, as Mixtral / Qwen2-MoE; the router
-        # and the shared expert are replicated.
-        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
-        "layers.*.mlp.experts.down_proj": "rowwise",
-        "layers.*.mlp.experts": "moe_tp_experts",
-    }
-    base_model_ep_plan = MOE_EP_PLAN
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
@@ -180,6 +217,7 @@ class TfmConfig(PreTrainedConfig):
     use_cache: bool = True
 
     def __post_init__(self, **kwargs):
+        _warn_unknown_keys(self, kwargs)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None and self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads == 0:
@@ -193,12 +231,6 @@ class TfmConfig(PreTrainedConfig):
             self.attention_out_bias = self.attention_bias
         if self.num_experts is not None and self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
-        if self.qk_norm and self.qk_norm_scope == "projection":
-            self.base_model_tp_plan = {**self.base_model_tp_plan, **PROJECTION_QK_NORM_TP_PLAN}
-        if self.add_cross_attention:  # a seq2seq decoder's cross-attention is sharded like its self-attention
-            plan = self.base_model_tp_plan
-            cross = {k.replace(".self_attn.", ".encoder_attn."): v for k, v in plan.items() if ".self_attn." in k}
-            self.base_model_tp_plan = {**plan, **cross}
         if self.classifier_pooling is None:
             self.classifier_pooling = "last" if self.is_causal else "first"
         if self.final_norm is None:
@@ -243,18 +275,13 @@ class TfmConfig(PreTrainedConfig):
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("`layer_types` has 'sliding_attention' layers but `sliding_window` is None.")
         if self.sliding_window is not None and "sliding_attention" not in self.layer_types:
-            raise ValueError(
-                f"`sliding_window`={self.sliding_window} would be ignored: `layer_types` has no 'sliding_attention' "
-                "layer. Drop `sliding_window` or mark the windowed layers in `layer_types`."
-            )
+            _no_effect("sliding_window", self.sliding_window, "`layer_types` has no 'sliding_attention' layer")
         if self.position_embedding_type != "rope" and self.rope_parameters:
             entries = self.rope_parameters.values() if self.rope_per_layer_type else [self.rope_parameters]
             scaled = sorted({p.get("rope_type", "default") for p in entries if p} - {"default"})
-            if scaled:  # the default, unscaled parameters are every config's default: allowed, and unused
-                raise ValueError(
-                    f"`rope_parameters` asks for RoPE scaling ({', '.join(scaled)}) but `position_embedding_type`="
-                    f"{self.position_embedding_type!r} has no RoPE to scale; use `position_embedding_type='rope'`."
-                )
+            if scaled:  # the default, unscaled parameters are every config's default: unused, and not worth a word
+                why = f"`position_embedding_type`={self.position_embedding_type!r} has no RoPE to scale"
+                _no_effect("rope_parameters", f"RoPE scaling {', '.join(scaled)}", why)
         if not self.first_layer_attn_norm and self.norm_position != "pre":
             raise ValueError("`first_layer_attn_norm=False` needs `norm_position='pre'` (a post-norm is the output).")
         if self.parallel_residual and self.norm_position == "post":
@@ -262,16 +289,14 @@ class TfmConfig(PreTrainedConfig):
                 "`parallel_residual` needs `norm_position='pre'` (a post-norm parallel block is undefined)."
             )
         if self.sinusoidal_layout != "interleaved" and self.position_embedding_type != "sinusoidal":
-            # Refused rather than ignored: it is easy to read as RoPE's rotate-half layout, which it does not change.
-            raise ValueError(
-                f"`sinusoidal_layout={self.sinusoidal_layout!r}` needs `position_embedding_type='sinusoidal'` "
-                f"(got {self.position_embedding_type!r}); it chooses the layout of the sinusoidal table only."
-            )
-        if self.position_offset < 0 or (self.position_offset and self.position_embedding_type != "learned"):
-            raise ValueError(
-                f"`position_offset`={self.position_offset} needs `position_embedding_type='learned'` and must be >= 0 "
-                "(it shifts the learned table's lookup)."
-            )
+            # It is easy to read as RoPE's rotate-half layout, which it does not change: said, not silently ignored.
+            why = f"it lays out the sinusoidal table only (`position_embedding_type`={self.position_embedding_type!r})"
+            _no_effect("sinusoidal_layout", self.sinusoidal_layout, why)
+        if self.position_offset < 0:
+            raise ValueError(f"`position_offset` must be >= 0, got {self.position_offset}.")
+        if self.position_offset and self.position_embedding_type != "learned":
+            why = f"it shifts the learned table's lookup (`position_embedding_type`={self.position_embedding_type!r})"
+            _no_effect("position_offset", self.position_offset, why)
         if not self.embedding_scale > 0:
             raise ValueError(f"`embedding_scale` must be positive, got {self.embedding_scale}.")
         if self.add_cross_attention and not self.is_causal:
@@ -287,13 +312,13 @@ class TfmConfig(PreTrainedConfig):
         if self.norm_eps <= 0:
             raise ValueError(f"`norm_eps` must be positive, got {self.norm_eps}.")
         if self.classifier_norm and not self.classifier_dense:
-            raise ValueError("`classifier_norm=True` needs `classifier_dense=True` (the norm follows the dense).")
+            _no_effect("classifier_norm", True, "the norm follows `classifier_dense`, which is False")
         if self.is_causal and self.classifier_pooling == "first":
             raise ValueError(
                 "`classifier_pooling='first'` sees only the first token in a causal decoder; use 'last' or 'mean'."
             )
         if self.qk_norm_scope != "head" and not self.qk_norm:
-            raise ValueError(f"`qk_norm_scope={self.qk_norm_scope!r}` needs `qk_norm=True` (it would be ignored).")
+            _no_effect("qk_norm_scope", self.qk_norm_scope, "`qk_norm` is False")
         self._validate_moe()
         self._validate_attn_implementation(self._attn_implementation)
 
@@ -311,7 +336,7 @@ class TfmConfig(PreTrainedConfig):
             }
             for name, default in ignored.items():
                 if getattr(self, name) not in (default, []):  # [] and None: no dense-only layers
-                    raise ValueError(f"`{name}` needs `num_experts` (no layer has experts, so it would be ignored).")
+                    _no_effect(name, getattr(self, name), "`num_experts` is None: no layer has experts")
             return
         if self.num_experts <= 0:
             raise ValueError(f"`num_experts` must be positive or None (dense), got {self.num_experts}.")
@@ -355,9 +380,8 @@ class TfmConfig(PreTrainedConfig):
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs) -> "TfmConfig":
-        """`PreTrainedConfig.from_dict` (the path of `from_pretrained` and `AutoConfig`): refuses keys TfmConfig does
-        not read, and reads configs saved by older hf_tfm."""
-        cls._refuse_unknown_keys(config_dict, "config.json")
+        """`PreTrainedConfig.from_dict` (the path of `from_pretrained` and `AutoConfig`), reading configs saved by
+        older hf_tfm."""
         return super().from_dict(upgrade_saved_config(config_dict), **kwargs)
 
     @classmethod
@@ -387,28 +411,33 @@ class TfmConfig(PreTrainedConfig):
                     params.setdefault("original_max_position_embeddings", self.max_position_embeddings)
         return kwargs
 
-    @classmethod
-    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict, dict]:
-        """transformers' config reader; an hf_tfm config.json with a key TfmConfig does not read is refused."""
-        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
-        cls._refuse_unknown_keys(config_dict, f"{pretrained_model_name_or_path}/config.json")
-        return config_dict, kwargs
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """The tensor-parallel plan of what this configuration builds: every entry names a parameter or module of it
+        (dense and expert feed-forwards as the layers have them, cross-attention where a decoder has it). A plan set
+        on the config (transformers 5.16 sets one at construction, quantizers set theirs) is returned as set."""
+        if (plan := self.__dict__.get("base_model_tp_plan")) is not None:
+            return plan
+        sparse = [self.is_sparse_layer(i) for i in range(self.num_hidden_layers)]
+        plan = dict(ATTENTION_TP_PLAN)
+        if self.qk_norm and self.qk_norm_scope == "projection":
+            plan |= PROJECTION_QK_NORM_TP_PLAN
+        if self.add_cross_attention:  # a seq2seq decoder's cross-attention is sharded like its self-attention
+            plan |= {k.replace(".self_attn.", ".encoder_attn."): v for k, v in plan.items() if ".self_attn." in k}
+        if not all(sparse):
+            plan |= (GLU_TP_PLAN if self.ffn_type == "glu" else {}) | MLP_TP_PLAN
+        if any(sparse):
+            plan |= EXPERTS_TP_PLAN
+        return plan
 
-    @classmethod
-    def _refuse_unknown_keys(cls, config_dict: dict, where: str) -> None:
-        # transformers keeps unknown keys as plain attributes: a misspelt knob (`sliding_windw`) would load a model
-        # that silently differs from the one the file describes.
-        if config_dict.get("model_type", cls.model_type) != cls.model_type:
-            return  # another model's config (hf_tfm.convert reads any folder's model_type through this class)
-        known = set(cls().to_dict()) | set(PreTrainedConfig().to_dict()) | EXTRA_CONFIG_KEYS
-        # "_": transformers' bookkeeping; "*_token_id": special-token ids (an import carries ModernBERT's cls/sep ids)
-        unknown = sorted(k for k in set(config_dict) - known if not k.startswith("_") and not k.endswith("_token_id"))
-        if unknown:
-            hints = [
-                f"`{key}`" + "".join(f" (did you mean `{m}`?)" for m in difflib.get_close_matches(key, known, 1))
-                for key in unknown
-            ]
-            raise ValueError(f"{where} has unknown key(s) {', '.join(hints)}: hf_tfm would ignore them. Fix them.")
+    @base_model_tp_plan.setter
+    def base_model_tp_plan(self, plan: dict[str, str] | None) -> None:
+        self.__dict__["base_model_tp_plan"] = plan  # not saved: `to_dict` leaves this key out
+
+    @property
+    def base_model_ep_plan(self) -> dict[str, str] | None:
+        """The expert-parallel plan, for a configuration with experts."""
+        return MOE_EP_PLAN if self.num_experts is not None else None
 
     @property
     def rope_per_layer_type(self) -> bool:
@@ -476,6 +505,7 @@ class TfmSeq2SeqConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self, **kwargs):
+        _warn_unknown_keys(self, kwargs)
         self.encoder = _side_config(self.encoder, "encoder", decoder=False)
         if self.decoder is None:
             self.decoder = _mirror_as_decoder(self.encoder)
@@ -486,6 +516,43 @@ class TfmSeq2SeqConfig(PreTrainedConfig):
         if self.decoder_start_token_id is None:
             self.decoder_start_token_id = self.decoder.bos_token_id
         super().__post_init__(**kwargs)
+
+    # The top-level sizes generic code reads on every encoder-decoder config (generation, cache sizing, ConfigTester),
+    # as BART maps them: the encoder's heads and depth, the one width, the vocabulary of the logits. Setting one sets
+    # it on both sides (the vocabulary: on the encoder too only when the sides share their token table).
+    @property
+    def hidden_size(self) -> int:
+        return self.encoder.hidden_size
+
+    @hidden_size.setter
+    def hidden_size(self, value: int) -> None:
+        self.encoder.hidden_size = self.decoder.hidden_size = value
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.encoder.num_attention_heads
+
+    @num_attention_heads.setter
+    def num_attention_heads(self, value: int) -> None:
+        self.encoder.num_attention_heads = self.decoder.num_attention_heads = value
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.encoder.num_hidden_layers
+
+    @num_hidden_layers.setter
+    def num_hidden_layers(self, value: int) -> None:
+        self.encoder.num_hidden_layers = self.decoder.num_hidden_layers = value
+
+    @property
+    def vocab_size(self) -> int:
+        return self.decoder.vocab_size
+
+    @vocab_size.setter
+    def vocab_size(self, value: int) -> None:
+        self.decoder.vocab_size = value
+        if self.share_encoder_decoder_embeddings:
+            self.encoder.vocab_size = value
 
     def validate_architecture(self):
         """Raise a `ValueError` naming the knob when the two sides do not fit together."""
@@ -504,31 +571,6 @@ class TfmSeq2SeqConfig(PreTrainedConfig):
             raise ValueError(
                 f"`decoder_start_token_id`={start} is outside the decoder's vocabulary [0, {self.decoder.vocab_size})."
             )
-
-    @classmethod
-    def from_dict(cls, config_dict: dict, **kwargs) -> "TfmSeq2SeqConfig":
-        """`PreTrainedConfig.from_dict`; refuses keys that neither this config nor a side's `TfmConfig` reads."""
-        cls._refuse_unknown_keys(config_dict, "config.json")
-        return super().from_dict(config_dict, **kwargs)
-
-    @classmethod
-    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict, dict]:
-        """transformers' config reader; a config.json with a key hf_tfm does not read is refused."""
-        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
-        cls._refuse_unknown_keys(config_dict, f"{pretrained_model_name_or_path}/config.json")
-        return config_dict, kwargs
-
-    @classmethod
-    def _refuse_unknown_keys(cls, config_dict: dict, where: str) -> None:
-        if config_dict.get("model_type", cls.model_type) != cls.model_type:
-            return
-        known = set(cls().to_dict()) | set(PreTrainedConfig().to_dict()) | EXTRA_CONFIG_KEYS
-        unknown = sorted(k for k in set(config_dict) - known if not k.startswith("_") and not k.endswith("_token_id"))
-        if unknown:
-            raise ValueError(f"{where} has unknown key(s) {', '.join(f'`{k}`' for k in unknown)}: fix them.")
-        for side in ("encoder", "decoder"):
-            if isinstance(config_dict.get(side), dict):
-                TfmConfig._refuse_unknown_keys(config_dict[side], f"{where} (`{side}`)")
 
 
 def _side_config(value: TfmConfig | dict | None, name: str, decoder: bool) -> TfmConfig:

@@ -602,6 +602,20 @@ class TfmMoeMaskedLMOutput(MaskedLMOutput):
     router_logits: tuple[torch.FloatTensor, ...] | None = None
 
 
+@dataclass
+class TfmMoeSeq2SeqModelOutput(Seq2SeqModelOutput):
+    """An encoder-decoder's output with experts on either side: each side's router logits (no aux loss there)."""
+
+    router_logits: tuple[torch.FloatTensor, ...] | None = None  # the decoder's, as a causal LM's
+    encoder_router_logits: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class TfmMoeSeq2SeqLMOutput(Seq2SeqLMOutput):
+    router_logits: tuple[torch.FloatTensor, ...] | None = None
+    encoder_router_logits: tuple[torch.FloatTensor, ...] | None = None
+
+
 MOE_OUTPUTS = {
     CausalLMOutputWithPast: MoeCausalLMOutputWithPast,
     SequenceClassifierOutput: TfmMoeSequenceClassifierOutput,
@@ -623,7 +637,8 @@ class TfmBlock(GradientCheckpointingLayer):
     """One transformer layer. `norm_position` and `parallel_residual` choose the residual layout, here only.
 
     With `add_cross_attention` (a seq2seq decoder) a cross-attention sub-layer over the encoder output sits between
-    the self-attention and the feed-forward, with its own norm, as in "Attention Is All You Need".
+    the self-attention and the feed-forward, with its own norm, as in "Attention Is All You Need". Called without
+    `encoder_hidden_states` it is skipped, as BART's decoder skips it: the decoder then runs alone, a causal LM.
     """
 
     def __init__(self, config: TfmConfig, layer_idx: int) -> None:
@@ -659,11 +674,11 @@ class TfmBlock(GradientCheckpointingLayer):
         source = (encoder_hidden_states, encoder_attention_mask, cross_cache)
         if self.norm_position == "pre":
             x = x + drop(attn(self.attn_norm(x), attention_mask, **kwargs)[0])
-            if self.encoder_attn is not None:
+            if self.encoder_attn is not None and encoder_hidden_states is not None:
                 x = x + drop(self.cross_attend(self.cross_attn_norm(x), *source))
             return x + drop(mlp(self.mlp_norm(x)))
         x = self.attn_norm(x + drop(attn(x, attention_mask, **kwargs)[0]))  # post-norm (original Transformer, BERT)
-        if self.encoder_attn is not None:
+        if self.encoder_attn is not None and encoder_hidden_states is not None:
             x = self.cross_attn_norm(x + drop(self.cross_attend(x, *source)))
         return self.mlp_norm(x + drop(mlp(x)))
 
@@ -742,8 +757,9 @@ class TfmPreTrainedModel(PreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> "TfmPreTrainedModel":
         """`PreTrainedModel.from_pretrained`; a damaged local checkpoint fails naming the file and the problem.
 
-        transformers reports a truncated safetensors file only as "Error while deserializing header", and a
-        config.json whose sizes do not match the weights as a size-mismatch report; both say which file is wrong here.
+        transformers reports a truncated safetensors file only as "Error while deserializing header": here the error
+        names the file. Every other error is transformers' own, with its type and advice (a size mismatch stays the
+        `RuntimeError` that suggests `ignore_mismatched_sizes=True`).
         """
         try:
             return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
@@ -759,11 +775,6 @@ class TfmPreTrainedModel(PreTrainedModel):
             if damaged:
                 raise OSError(
                     f"{folder}: damaged weights file {'; '.join(damaged)}. Save or download it again."
-                ) from err
-            if "ignore_mismatched_sizes" in str(err):
-                raise ValueError(
-                    f"{folder / 'config.json'} describes different sizes than the weights in {folder} (see the "
-                    "mismatch report above): the config was edited or belongs to another checkpoint."
                 ) from err
             raise
 
@@ -946,10 +957,6 @@ class TfmModel(TfmPreTrainedModel):
         arg = "decoder_" if config.add_cross_attention else ""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError(f"Pass exactly one of `{arg}input_ids` or `{arg}inputs_embeds`.")
-        if config.add_cross_attention and encoder_hidden_states is None:
-            raise ValueError(
-                "This decoder attends to an encoder (`add_cross_attention`): pass `encoder_hidden_states`."
-            )
         config._validate_attn_implementation(config._attn_implementation)
         if use_cache is None:  # an encoder has nothing to decode; training builds no cache (packing relies on it)
             use_cache = config.use_cache and config.is_causal and not self.training
@@ -969,7 +976,8 @@ class TfmModel(TfmPreTrainedModel):
         self_cache = cache  # what self-attention, positions and masks read: the decoder's own tokens
         if isinstance(cache, EncoderDecoderCache):
             self_cache = cache.self_attention_cache
-            _full_length_cross_layers(cache, encoder_hidden_states.shape[1])
+            if encoder_hidden_states is not None:
+                _full_length_cross_layers(cache, encoder_hidden_states.shape[1])
         past_length = self_cache.get_seq_length() if self_cache is not None and not paged else 0
 
         if input_ids is not None:
@@ -984,8 +992,8 @@ class TfmModel(TfmPreTrainedModel):
                 )
             if position_ids is None:  # count real tokens only, so left padding does not shift positions
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq_length:]
-        if position_ids is None:
-            position_ids = torch.arange(past_length, past_length + seq_length, device=inputs_embeds.device)[None]
+        if position_ids is None:  # a length-independent arange: a static cache's length is a tensor under compile
+            position_ids = (torch.arange(seq_length, device=inputs_embeds.device) + past_length)[None]
 
         hidden_states = inputs_embeds * config.embedding_scale if config.embedding_scale != 1.0 else inputs_embeds
         if self.embed_positions is not None:
@@ -1007,7 +1015,7 @@ class TfmModel(TfmPreTrainedModel):
         position_embeddings = self._rotary(hidden_states, position_ids)
         biases = self._alibi_biases(inputs_embeds, self_cache) if self.alibi is not None else {}
         cross_mask = None
-        if config.add_cross_attention:
+        if config.add_cross_attention and encoder_hidden_states is not None:
             cross_mask = self._cross_mask(inputs_embeds, encoder_hidden_states, encoder_attention_mask)
 
         for layer, layer_type in zip(self.layers, config.layer_types, strict=True):
@@ -1230,7 +1238,7 @@ class TfmForCausalLM(TfmHeadModel, GenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> CausalLMOutputWithPast:
+    ) -> CausalLMOutputWithPast | MoeCausalLMOutputWithPast:
         outputs = self.backbone(
             input_ids, attention_mask, position_ids, inputs_embeds, cache=cache, use_cache=use_cache, **kwargs
         )
@@ -1529,7 +1537,7 @@ class TfmSeq2SeqModel(TfmSeq2SeqPreTrainedModel):
         decoder_inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> Seq2SeqModelOutput:
+    ) -> Seq2SeqModelOutput | TfmMoeSeq2SeqModelOutput:
         if decoder_input_ids is None and decoder_inputs_embeds is None:
             raise ValueError(
                 "Pass `decoder_input_ids` or `decoder_inputs_embeds` (or `labels` to a TfmForConditionalGeneration, "
@@ -1553,7 +1561,7 @@ class TfmSeq2SeqModel(TfmSeq2SeqPreTrainedModel):
             use_cache=use_cache,
             **kwargs,
         )
-        return Seq2SeqModelOutput(
+        output = Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
             **{CACHE_NAME: getattr(decoder_outputs, CACHE_NAME)},
             decoder_hidden_states=decoder_outputs.hidden_states,
@@ -1562,6 +1570,13 @@ class TfmSeq2SeqModel(TfmSeq2SeqPreTrainedModel):
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
             encoder_hidden_states=encoder_outputs.hidden_states,
             encoder_attentions=encoder_outputs.attentions,
+        )
+        if self.config.encoder.num_experts is None and self.config.decoder.num_experts is None:
+            return output
+        return TfmMoeSeq2SeqModelOutput(
+            **output,
+            router_logits=getattr(decoder_outputs, "router_logits", None),
+            encoder_router_logits=getattr(encoder_outputs, "router_logits", None),
         )
 
 
@@ -1610,7 +1625,7 @@ class TfmForConditionalGeneration(TfmSeq2SeqPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> Seq2SeqLMOutput:
+    ) -> Seq2SeqLMOutput | TfmMoeSeq2SeqLMOutput:
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
         outputs = self.model(
@@ -1629,16 +1644,11 @@ class TfmForConditionalGeneration(TfmSeq2SeqPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits, labels, vocab_size=self.config.decoder.vocab_size, **kwargs)
-        return Seq2SeqLMOutput(
+        output_class = TfmMoeSeq2SeqLMOutput if isinstance(outputs, TfmMoeSeq2SeqModelOutput) else Seq2SeqLMOutput
+        return output_class(
             loss=loss,
             logits=logits,
-            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
-            decoder_hidden_states=outputs.decoder_hidden_states,
-            decoder_attentions=outputs.decoder_attentions,
-            cross_attentions=outputs.cross_attentions,
-            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
-            encoder_hidden_states=outputs.encoder_hidden_states,
-            encoder_attentions=outputs.encoder_attentions,
+            **{key: value for key, value in outputs.items() if key != "last_hidden_state"},
         )
 
 

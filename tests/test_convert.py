@@ -247,11 +247,6 @@ def test_unsupported_in_tree_variant_is_refused():
         from_hf(transformers.GPT2LMHeadModel(config))
 
 
-def test_classifier_knobs_validate():
-    with pytest.raises(ValueError, match="classifier_norm"):
-        hf_tfm.TfmConfig(classifier_norm=True)
-
-
 @pytest.mark.parametrize(
     ("case", "auto_class"),
     [

@@ -1,5 +1,6 @@
-"""Reliability: tied weights sharded together, no silently ignored knobs, left padding with absolute positions."""
+"""Reliability: tied weights sharded together, knobs without effect named, left padding with absolute positions."""
 
+import logging
 import re
 
 import pytest
@@ -33,40 +34,82 @@ def test_tied_weights_are_sharded_together(cls):
         assert model.get_parameter(target) is model.get_parameter(source)
 
 
-# --- knobs that would do nothing are refused
+# --- knobs that do nothing in a configuration: accepted (as in-tree configs accept them) and named in a warning
 
 
-@pytest.mark.parametrize("position_embedding_type", ["learned", "sinusoidal", "alibi"])
+ROPE = "rope_parameters"
+NO_EFFECT = [
+    (
+        {"position_embedding_type": "alibi", "rope_parameters": {"rope_type": "linear", "factor": 2.0}},
+        "rope_parameters",
+    ),
+    (
+        {"position_embedding_type": "learned", "rope_parameters": {"rope_type": "yarn", "factor": 2.0}},
+        "rope_parameters",
+    ),
+    (
+        {
+            "position_embedding_type": "sinusoidal",
+            "rope_parameters": {"full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+        },
+        "rope_parameters",
+    ),
+    ({"sliding_window": 4, "layer_types": ["full_attention", "full_attention"]}, "sliding_window"),
+    ({"sinusoidal_layout": "halves"}, "sinusoidal_layout"),  # rope: it is not RoPE's layout
+    ({"position_offset": 2}, "position_offset"),
+    ({"classifier_norm": True}, "classifier_norm"),
+    ({"qk_norm_scope": "projection"}, "qk_norm_scope"),
+    ({"shared_expert_intermediate_size": 8}, "shared_expert_intermediate_size"),
+    ({"mlp_only_layers": [0]}, "mlp_only_layers"),
+    ({"output_router_logits": True}, "output_router_logits"),
+    ({"router_weights_fp32": True}, "router_weights_fp32"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "knob"), NO_EFFECT, ids=[knob for _, knob in NO_EFFECT])
+def test_a_knob_without_effect_warns_and_changes_nothing(overrides, knob, caplog):
+    with caplog.at_level(logging.WARNING):
+        config = tiny_config(**overrides)
+    assert any(f"`{knob}`" in r.getMessage() and "has no effect" in r.getMessage() for r in caplog.records)
+    plain = tiny_config(position_embedding_type=overrides.get("position_embedding_type", "rope"))
+    ids = random_ids(2, 9)
+    with torch.no_grad():  # the same weights give the same logits: the knob really changes nothing
+        expected = build(modeling.TfmForCausalLM, plain)(input_ids=ids).logits
+        assert torch.equal(build(modeling.TfmForCausalLM, config)(input_ids=ids).logits, expected)
+
+
+def test_a_knob_without_effect_survives_save_and_load(tmp_path):
+    """transformers' `test_eager_matches_sdpa_inference` sets `sliding_window` on every config that has it."""
+    model = build(modeling.TfmForCausalLM, tiny_config())
+    model.config.sliding_window = 2
+    model.save_pretrained(tmp_path)
+    reloaded = modeling.TfmForCausalLM.from_pretrained(tmp_path)
+    assert reloaded.config.sliding_window == 2 and reloaded.config.layer_types == ["full_attention"] * 2
+
+
 @pytest.mark.parametrize(
-    "rope_parameters",
+    ("overrides", "knob"),
     [
-        {"rope_type": "linear", "factor": 2.0},
-        {"rope_type": "dynamic", "factor": 2.0},
-        {"rope_type": "yarn", "factor": 2.0},
-        {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+        ({"sliding_window": 0}, "sliding_window"),
+        ({"position_offset": -1, "position_embedding_type": "learned"}, "position_offset"),
+        ({"num_attention_heads": 4, "num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding_window"),  # a window it cannot size
     ],
-    ids=["linear", "dynamic", "yarn", "nested-linear"],
 )
-def test_rope_scaling_without_rope_is_refused(position_embedding_type, rope_parameters):
-    with pytest.raises(ValueError, match=r"`rope_parameters`.*`position_embedding_type`"):
-        tiny_config(position_embedding_type=position_embedding_type, rope_parameters=rope_parameters)
+def test_a_value_that_cannot_be_computed_still_raises(overrides, knob):
+    with pytest.raises(ValueError, match=knob):
+        tiny_config(**overrides)
 
 
-@pytest.mark.parametrize("position_embedding_type", ["learned", "sinusoidal", "alibi"])
-def test_default_rope_parameters_stay_allowed_without_rope(position_embedding_type):
-    config = tiny_config(
-        position_embedding_type=position_embedding_type, rope_parameters={"rope_type": "default", "rope_theta": 1e4}
-    )
-    assert config.rope_parameters["rope_type"] == "default"
-    assert (
-        tiny_config(position_embedding_type=position_embedding_type).position_embedding_type == position_embedding_type
-    )
-
-
-def test_sliding_window_without_sliding_layers_is_refused():
-    with pytest.raises(ValueError, match=r"`sliding_window`.*`layer_types`"):
-        tiny_config(sliding_window=4, layer_types=["full_attention", "full_attention"])
-    assert tiny_config(sliding_window=4).layer_types == ["sliding_attention"] * 2  # None: every layer windowed
+def test_a_misspelt_knob_warns_with_the_nearest_one(caplog):
+    with caplog.at_level(logging.WARNING):
+        config = tiny_config(sliding_windw=4)
+    assert "`sliding_windw` (did you mean `sliding_window`?)" in caplog.text
+    assert config.sliding_windw == 4 and config.sliding_window is None  # kept, as in-tree configs keep it
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        tiny_config(num_labels=3, torch_dtype="float32", architectures=["TfmForCausalLM"], cls_token_id=5)
+    assert "does not read" not in caplog.text  # transformers' own keys and special-token ids are known
 
 
 def test_backbone_pooler_is_built_by_the_backbone_only(tmp_path):

@@ -7,11 +7,15 @@ release's sdist (`transformers_tests.load`); without it the module skips in one 
 each with a reason that holds for an in-tree model too.
 """
 
+import tempfile
 import unittest
+from unittest.mock import patch
 
 import pytest
 import torch
 import transformers
+from transformers.models.auto import modeling_auto
+from transformers_tests import load
 
 from hf_tfm import (
     TfmConfig,
@@ -25,7 +29,6 @@ from hf_tfm import (
     TfmSeq2SeqConfig,
     TfmSeq2SeqModel,
 )
-from transformers_tests import load
 
 try:
     modeling_common, configuration_common = load()
@@ -37,8 +40,41 @@ ConfigTester = configuration_common.ConfigTester
 ids_tensor = modeling_common.ids_tensor
 GenerationTesterMixin = modeling_common.GenerationTesterMixin
 
-# Every skip, with a reason that holds for an in-tree model too (the one named does the same in its own test file).
-SKIPS = {}
+
+def dense(knobs: dict) -> bool:
+    return "num_experts" not in knobs
+
+
+def without_rope(knobs: dict) -> bool:
+    return knobs.get("position_embedding_type", "rope") != "rope"
+
+
+# Every skip, with a reason that holds for an in-tree model too: test name (or its start, for parameterized tests)
+# -> (the suites it applies to, by their knobs; reason). hf_tfm's one modeling file and config class cover every
+# variant, where transformers' mixin tells the variants apart by source text or config attributes.
+SKIPS = {
+    "test_output_router_logits_from_config": (
+        dense,
+        "a dense configuration has no router: in-tree dense models (Llama, BERT, BART) have no "
+        "`output_router_logits`, and the mixin skips this test for them",
+    ),
+    "test_reverse_loading_mapping": (
+        dense,
+        "a dense configuration has no expert weights for the checkpoint conversion to rename (it is registered for "
+        "hf_tfm's model_type, for its expert layers): the mixin skips this test for in-tree dense models (Llama, "
+        "BERT), which have no conversion",
+    ),
+    "test_model_rope_scaling": (
+        without_rope,
+        "the configuration has no RoPE to scale: in-tree models without RoPE (GPT-2, BERT, BART) have no "
+        "`rope_parameters`, and the mixin skips these tests for them",
+    ),
+    "test_eager_matches_batched_and_grouped_inference": (
+        dense,
+        "a dense configuration has no experts to run batched or grouped: the mixin skips this test for in-tree "
+        "dense models (Llama, BERT, BART), whose classes cannot set an experts implementation",
+    ),
+}
 
 # The in-tree testers' sizes (LlamaModelTester, BertModelTester, BartModelTester): batch 13, 7 tokens, vocabulary
 # 99, width 32, 2 layers, 4 heads.
@@ -110,26 +146,30 @@ class TfmCommonTests(ModelTesterMixin):
     def setUp(self) -> None:
         self.model_tester = self.model_tester_class(self, self.knobs)
         self.config_tester = ConfigTester(self, config_class=self.config_class, **SIZES)
+        for name, (applies, reason) in SKIPS.items():
+            if self._testMethodName.startswith(name) and applies(self.knobs):
+                self.skipTest(reason)
+        # The mixin tells heads apart by transformers' own Auto mappings (base models have no loss, which labels a
+        # head takes), where every in-tree model is listed; hf_tfm's classes are listed there for the test's length.
+        for mapping, names in AUTO_NAMES.items():
+            patcher = patch.dict(getattr(modeling_auto, mapping), names)
+            patcher.start()
+            self.addCleanup(patcher.stop)
 
     def test_config(self) -> None:
         self.config_tester.run_common_tests()
 
-    def _prepare_for_class(self, inputs_dict: dict, model_class: type, return_labels: bool = False) -> dict:
-        # The mixin adds labels for the classes transformers' own Auto mappings list; hf_tfm's are registered at run
-        # time, so its heads get theirs here (as BART's and others' test files do for theirs).
-        inputs = super()._prepare_for_class(inputs_dict, model_class, return_labels=False)
-        if not return_labels:
-            return inputs
-        batch, length = self.model_tester.batch_size, self.model_tester.seq_length
-        if model_class is TfmForSequenceClassification:
-            inputs["labels"] = torch.zeros(batch, dtype=torch.long)
-        elif model_class is TfmForQuestionAnswering:
-            inputs["start_positions"] = torch.zeros(batch, dtype=torch.long)
-            inputs["end_positions"] = torch.zeros(batch, dtype=torch.long)
-        elif model_class in (TfmForTokenClassification, TfmForCausalLM, TfmForMaskedLM, TfmForConditionalGeneration):
-            inputs["labels"] = torch.zeros(batch, length, dtype=torch.long)
-        return inputs
 
+# hf_tfm's entries in transformers' Auto name mappings (model_type -> class name), as an in-tree model has them.
+AUTO_NAMES = {
+    "MODEL_MAPPING_NAMES": {"hf_tfm": "TfmModel", "hf_tfm_seq2seq": "TfmSeq2SeqModel"},
+    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES": {"hf_tfm": "TfmForCausalLM"},
+    "MODEL_FOR_MASKED_LM_MAPPING_NAMES": {"hf_tfm": "TfmForMaskedLM"},
+    "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES": {"hf_tfm": "TfmForSequenceClassification"},
+    "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES": {"hf_tfm": "TfmForTokenClassification"},
+    "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES": {"hf_tfm": "TfmForQuestionAnswering"},
+    "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES": {"hf_tfm_seq2seq": "TfmForConditionalGeneration"},
+}
 
 DECODER_CLASSES = (
     TfmModel,
@@ -204,15 +244,48 @@ class EncoderSinusoidalTest(TfmCommonTests, unittest.TestCase):
     knobs = {"is_causal": False, "position_embedding_type": "sinusoidal"}
 
 
+# `ConfigTester.run_common_tests` without the side-from-the-pair's-folder load (see `Seq2SeqTests.test_config`).
+COMPOSITE_CONFIG_CHECKS = [
+    "create_and_test_config_common_properties",
+    "create_and_test_config_to_json_string",
+    "create_and_test_config_to_json_file",
+    "create_and_test_config_from_and_save_pretrained",
+    "create_and_test_config_from_and_save_pretrained_subfolder",
+    "create_and_test_config_with_num_labels",
+    "check_config_arguments_init",
+    "create_and_test_config_from_pretrained_custom_kwargs",
+    "check_config_can_be_init_without_params",
+]
+
+
 class Seq2SeqTests(TfmCommonTests):
     all_model_classes = (TfmSeq2SeqModel, TfmForConditionalGeneration)
     model_tester_class = TfmSeq2SeqModelTester
     config_class = TfmSeq2SeqConfig
     is_encoder_decoder = True
 
+    def test_config(self) -> None:
+        """ConfigTester's common tests, but loading one side with `TfmConfig.from_pretrained` from the pair's folder:
+        `TfmConfig` is both sides' class, so that load cannot tell which side is meant (transformers takes the last
+        dict of the model_type); the same holds for in-tree composite configs with one class for both sides (T5Gemma's
+        module config, EncoderDecoderConfig's AutoConfig sides). Each side round-trips through the pair instead."""
+        tester = self.config_tester
+        for name in COMPOSITE_CONFIG_CHECKS:
+            getattr(tester, name)()
+        config = tester.config_class(**tester.inputs_dict)
+        with tempfile.TemporaryDirectory() as folder:
+            config.save_pretrained(folder)
+            loaded = TfmSeq2SeqConfig.from_pretrained(folder)
+        for side in ("encoder", "decoder"):
+            self.assertEqual(getattr(loaded, side).to_dict(), getattr(config, side).to_dict())
+
     def setUp(self) -> None:
-        self.model_tester = self.model_tester_class(self, self.knobs)
-        self.config_tester = ConfigTester(self, config_class=TfmSeq2SeqConfig)
+        super().setUp()
+        self.config_tester = ConfigTester(
+            self,
+            config_class=TfmSeq2SeqConfig,
+            common_properties=["hidden_size", "num_attention_heads", "num_hidden_layers"],
+        )
 
 
 class Seq2SeqBartTest(Seq2SeqTests, GenerationTesterMixin, unittest.TestCase):
@@ -246,5 +319,5 @@ class Seq2SeqModernTest(Seq2SeqTests, GenerationTesterMixin, unittest.TestCase):
 
 
 def test_suites_ran_on_this_release() -> None:
-    """The sdist's tests are the installed release's own (a stale cache of another release would test the wrong one)."""
+    """The sdist's tests are the installed release's own (a stale cache of another release would test another)."""
     assert modeling_common.__file__.split("/")[-3] == transformers.__version__

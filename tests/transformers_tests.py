@@ -31,7 +31,7 @@ CACHE = Path(os.environ.get("HF_TFM_CACHE", Path.home() / ".cache" / "hf_tfm")) 
 STUBS = {
     "generation/test_utils.py": "class GenerationTesterMixin:\n    pass\n",
     "exporters/test_export.py": "class ExportTesterMixin:\n    pass\n",
-    "utils/test_configuration_utils.py": '''config_common_kwargs = {
+    "utils/test_configuration_utils.py": """config_common_kwargs = {
     "return_dict": False,
     "output_hidden_states": True,
     "output_attentions": True,
@@ -42,7 +42,7 @@ STUBS = {
     "label2id": {"label": "0"},
     "problem_type": "regression",
 }
-''',
+""",
 }
 
 
@@ -81,7 +81,9 @@ def load() -> tuple[ModuleType, ModuleType]:
         except (OSError, subprocess.SubprocessError, ValueError) as err:
             detail = getattr(err, "stderr", b"") or b""
             reason = detail.decode(errors="replace").strip().splitlines()[-1:] or [str(err)]
-            raise RuntimeError(f"transformers {transformers.__version__}'s sdist tests unavailable: {reason[0]}") from err
+            raise RuntimeError(
+                f"transformers {transformers.__version__}'s sdist tests unavailable: {reason[0]}"
+            ) from err
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     return (
