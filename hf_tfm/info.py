@@ -215,7 +215,7 @@ def describe(target: str) -> dict[str, Any]:
         )
         integrations["training"]["expert parallel plan"] = (True, "base_model_ep_plan (the release's EP styles)")
         integrations["training"]["load-balancing loss"] = (
-            (False, "the encoder-decoder's loss adds none (its sides' router logits are not collected)")
+            (False, "the encoder-decoder's loss adds none (its outputs carry each side's router logits)")
             if seq2seq
             else (
                 moe.output_router_logits,
