@@ -233,11 +233,16 @@ class TfmSinusoidalEmbedding(nn.Module):
         self.inv_freq = nn.Buffer(self.compute_inv_freq(self.dim), persistent=False)
 
     @staticmethod
-    def compute_inv_freq(dim: int) -> torch.Tensor:
-        return 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    def compute_inv_freq(dim: int, device: torch.device | None = None) -> torch.Tensor:
+        return 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        angles = position_ids[..., None].float() * self.inv_freq  # (B, T, ceil(D/2))
+        inv_freq = self.inv_freq
+        if inv_freq.dtype != torch.float32:
+            # `model.to(torch.bfloat16)` casts this buffer too: frequencies off by 2^-9 turn position p's angles by up
+            # to p * 2^-9 rad (a whole radian at p = 512), so the table is computed from fp32 ones whatever its dtype.
+            inv_freq = self.compute_inv_freq(self.dim, inv_freq.device)
+        angles = position_ids[..., None].float() * inv_freq  # (B, T, ceil(D/2))
         if self.interleaved:
             emb = torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)
         else:
@@ -820,6 +825,12 @@ class TfmPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        if module is getattr(self, "embed_tokens", None) and _paper_embeddings(self.config):
+            # The init that goes with the paper's scale (tensor2tensor's, fairseq's): std 1/sqrt(d) times sqrt(d)
+            # gives token embeddings of unit variance, the scale of the +-1 table they are added to. At
+            # initializer_range they would start ~50x smaller, and bf16 sums would get ~15% of their signal wrong.
+            init.normal_(module.weight, mean=0.0, std=self.config.hidden_size**-0.5)
+            return
         super()._init_weights(module)
         std = self.config.initializer_range
         if isinstance(module, TfmAttention):  # GPT-2 scaled init: keeps the residual stream's variance flat with depth
@@ -841,6 +852,12 @@ class TfmPreTrainedModel(PreTrainedModel):
                 inv_freq, _ = module.rope_init_fn(layer_type)(module.config, layer_type=layer_type)
                 init.copy_(getattr(module, f"{layer_type}_inv_freq"), inv_freq)
                 init.copy_(getattr(module, f"{layer_type}_original_inv_freq"), inv_freq)
+
+
+def _paper_embeddings(config: TfmConfig) -> bool:
+    """Sinusoidal positions with token embeddings scaled by sqrt(hidden_size): the default there, and the paper's."""
+    scaled = math.isclose(config.embedding_scale, math.sqrt(config.hidden_size))
+    return config.position_embedding_type == "sinusoidal" and scaled
 
 
 def _safetensors_problem(file: Path) -> str | None:
