@@ -7,6 +7,7 @@ sense fail at construction with a `ValueError` that names the knob. This file im
 import dataclasses
 import difflib
 import functools
+import math
 from typing import Literal
 
 from huggingface_hub.dataclasses import strict
@@ -141,8 +142,11 @@ class TfmConfig(PreTrainedConfig):
     # (BART and mBART keep two unused rows in front, a fairseq legacy).
     position_offset: int = 0
     # Token embeddings are multiplied by this (Marian, T5-style sqrt(hidden_size)); `inputs_embeds` are scaled too, so
-    # `inputs_embeds=model.get_input_embeddings()(ids)` equals passing the ids.
-    embedding_scale: float = 1.0
+    # `inputs_embeds=model.get_input_embeddings()(ids)` equals passing the ids. None: sqrt(hidden_size) with sinusoidal
+    # positions (the paper's; their token table then starts with std 1/sqrt(hidden_size), see `_init_weights`), else
+    # 1.0. Unscaled at initializer_range, tokens are ~50x smaller than the +-1 table they are added to, and bf16 gets
+    # ~15% of their signal wrong. A saved config carries the number; one saved before the knob existed has 1.0.
+    embedding_scale: float | None = None
 
     # --- normalisation
     norm_type: Literal["layernorm", "rmsnorm"] = "rmsnorm"  # RMSNorm: arXiv:1910.07467
@@ -238,6 +242,9 @@ class TfmConfig(PreTrainedConfig):
         if self.layer_types is None:
             kind = "sliding_attention" if self.sliding_window is not None else "full_attention"
             self.layer_types = [kind] * self.num_hidden_layers
+        if self.embedding_scale is None:  # a size <= 0 is refused by `validate_architecture`, not by sqrt here
+            paper = self.position_embedding_type == "sinusoidal" and self.hidden_size > 0
+            self.embedding_scale = math.sqrt(self.hidden_size) if paper else 1.0
         super().__post_init__(**kwargs)
 
     def validate_architecture(self):
@@ -466,10 +473,14 @@ def upgrade_saved_config(config_dict: dict) -> dict:
     config, which `__post_init__` cannot tell from `TfmConfig(position_embedding_type="sinusoidal")`; so it is decided
     here, where saved configs are read (`from_dict`, `from_json_file`, `presets.load_config`). A saved config is one
     transformers wrote: it carries `transformers_version` (a hand-written dict or JSON gets the new default).
+
+    Likewise `embedding_scale`: a sinusoidal config saved before the knob existed was built unscaled (1.0), while a
+    fresh one gets sqrt(hidden_size). Configs saved since carry the number, so they load as they were saved.
     """
     saved = "transformers_version" in config_dict
-    if saved and config_dict.get("position_embedding_type") == "sinusoidal" and "sinusoidal_layout" not in config_dict:
-        config_dict = {**config_dict, "sinusoidal_layout": "halves"}
+    if saved and config_dict.get("position_embedding_type") == "sinusoidal":
+        old_defaults = {"sinusoidal_layout": "halves", "embedding_scale": 1.0}
+        config_dict = {**old_defaults, **config_dict}
     return config_dict
 
 

@@ -8,10 +8,14 @@ kernels, KV caches and packing all come from transformers. This file imports onl
 """
 
 import functools
+import inspect
 import json
 import math
+import os
+import re
 import shutil
 import sys
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,10 +57,17 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, _add_variant
 from transformers.models.bart.modeling_bart import shift_tokens_right
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils import (
+    ADAPTER_SAFE_WEIGHTS_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    TransformersKwargs,
+    can_return_tuple,
+    logging,
+)
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -233,11 +244,16 @@ class TfmSinusoidalEmbedding(nn.Module):
         self.inv_freq = nn.Buffer(self.compute_inv_freq(self.dim), persistent=False)
 
     @staticmethod
-    def compute_inv_freq(dim: int) -> torch.Tensor:
-        return 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    def compute_inv_freq(dim: int, device: torch.device | None = None) -> torch.Tensor:
+        return 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        angles = position_ids[..., None].float() * self.inv_freq  # (B, T, ceil(D/2))
+        inv_freq = self.inv_freq
+        if inv_freq.dtype != torch.float32:
+            # `model.to(torch.bfloat16)` casts this buffer too: frequencies off by 2^-9 turn position p's angles by up
+            # to p * 2^-9 rad (a whole radian at p = 512), so the table is computed from fp32 ones whatever its dtype.
+            inv_freq = self.compute_inv_freq(self.dim, inv_freq.device)
+        angles = position_ids[..., None].float() * inv_freq  # (B, T, ceil(D/2))
         if self.interleaved:
             emb = torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)
         else:
@@ -740,18 +756,57 @@ class TfmPreTrainedModel(PreTrainedModel):
     }
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
-        """`PreTrainedModel.save_pretrained`, with an `auto_map` entry for every hf_tfm head.
+        """`PreTrainedModel.save_pretrained`, all at once, with an `auto_map` entry for every hf_tfm head.
+
+        The checkpoint is written to a hidden folder next to `save_directory`, `.NAME.partial-*`, which replaces it
+        only once complete (`replace_folder`): a reader, or a save that fails or is killed midway, finds the old
+        checkpoint or the new one, never the new config with old weights or a mix of shards. What else the folder
+        holds (a tokenizer, a README, a Trainer's files) is kept, as transformers' in-place save keeps it: hard-linked
+        into the new folder, except weights of the kind this save writes (`model.safetensors`, its shards and index,
+        or the adapter's), which would mix with the new ones (transformers would even load a stale unsharded file in
+        preference to new shards). Saved in place, as transformers does, where no hidden folder can take its place
+        (a mount point, a parent folder that is not writable; a warning says so) and with `distributed_checkpoint`,
+        whose files every rank writes.
 
         Native FSDP2 (`DistributedConfig(fsdp_size=...)`) swaps the model's class for a subclass generated in torch
         (`FSDPTfmForCausalLM`); transformers then points `auto_map` at torch's `_fsdp_*.py` files, copies those and
         leaves ours out. The folder is repaired here, so every save carries hf_tfm's code and `auto_map`.
         """
+        options = inspect.signature(PreTrainedModel.save_pretrained).bind(self, save_directory, *args, **kwargs)
+        options.apply_defaults()
+        options = options.arguments
+        writes = self.should_save_on_this_rank(options["is_main_process"])
+        target = Path(save_directory).resolve()
+        staging = None
+        if writes and not options.get("distributed_checkpoint") and not target.is_file():
+            try:
+                staging = new_staging_folder(target)
+            except OSError as err:
+                logger.warning(f"Saving into {target} in place, not all at once: {err}")
+        if staging is not None and options["push_to_hub"]:
+            # transformers names the repository after the folder it saves into: the target's name, not the staging's
+            kwargs.setdefault("repo_id", os.fspath(save_directory).split(os.path.sep)[-1])
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **self._auto_map}
-        super().save_pretrained(save_directory, *args, **kwargs)
-        is_main_process = args[0] if args else kwargs.get("is_main_process", True)
-        if type(self).__module__.startswith("torch.") and self.should_save_on_this_rank(is_main_process):
-            self._repair_remote_code(Path(save_directory))
-        self.config.auto_map = {**self.config.auto_map, **self._auto_map}
+        try:
+            super().save_pretrained(save_directory if staging is None else staging, *args, **kwargs)
+            if type(self).__module__.startswith("torch.") and writes:
+                self._repair_remote_code(target if staging is None else staging)
+            if staging is not None:
+                peft = getattr(self, "_hf_peft_config_loaded", False)
+                weights = ADAPTER_SAFE_WEIGHTS_NAME if peft else _add_variant(SAFE_WEIGHTS_NAME, options["variant"])
+                stale = rf"{re.escape(weights.removesuffix('.safetensors'))}(-\d{{5}}-of-\d{{5}})?\.safetensors"
+                if not peft:
+                    stale += "|" + re.escape(_add_variant(SAFE_WEIGHTS_INDEX_NAME, options["variant"]))
+                _carry_over(target, staging, lambda name: re.fullmatch(stale, name) is not None)
+                replace_folder(staging, target)
+        except BaseException:
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+        finally:
+            self.config.auto_map = {**self.config.auto_map, **self._auto_map}
+        # transformers' barrier (TP, FSDP) let the other ranks go once rank 0 had written; they wait for the swap too
+        self.barrier_after_gathered_checkpoint_save(getattr(self.config, "distributed_config", None))
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> "TfmPreTrainedModel":
@@ -831,6 +886,12 @@ class TfmPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        if module is getattr(self, "embed_tokens", None) and _paper_embeddings(self.config):
+            # The init that goes with the paper's scale (tensor2tensor's, fairseq's): std 1/sqrt(d) times sqrt(d)
+            # gives token embeddings of unit variance, the scale of the +-1 table they are added to. At
+            # initializer_range they would start ~50x smaller, and bf16 sums would get ~15% of their signal wrong.
+            init.normal_(module.weight, mean=0.0, std=self.config.hidden_size**-0.5)
+            return
         super()._init_weights(module)
         std = self.config.initializer_range
         if isinstance(module, TfmAttention):  # GPT-2 scaled init: keeps the residual stream's variance flat with depth
@@ -852,6 +913,86 @@ class TfmPreTrainedModel(PreTrainedModel):
                 inv_freq, _ = module.rope_init_fn(layer_type)(module.config, layer_type=layer_type)
                 init.copy_(getattr(module, f"{layer_type}_inv_freq"), inv_freq)
                 init.copy_(getattr(module, f"{layer_type}_original_inv_freq"), inv_freq)
+
+
+def _paper_embeddings(config: TfmConfig) -> bool:
+    """Sinusoidal positions with token embeddings scaled by sqrt(hidden_size): the default there, and the paper's."""
+    scaled = math.isclose(config.embedding_scale, math.sqrt(config.hidden_size))
+    return config.position_embedding_type == "sinusoidal" and scaled
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Folders written all at once: into a hidden sibling folder that takes the target's place when complete (model saves
+# here; `hf_tfm.recipes.staged_dir`, every `hf-tfm` output folder, with the same two functions).
+
+
+def new_staging_folder(target: Path) -> Path:
+    """A new empty folder `.NAME.partial-XXXXXXXX` next to `target`, so on its file system, where a rename can put it.
+
+    It has the target's permissions, or a new folder's (the umask's) if there is no target yet. Raises `OSError` where
+    no folder can be renamed into the target's place: the target is a mount point, or its parent is not writable.
+    """
+    if os.path.ismount(target):
+        raise OSError(f"{target} is a mount point: no folder can be renamed into its place")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:8]}")
+    staging.mkdir(mode=0o777)  # the umask applies, as to any new folder (tempfile.mkdtemp's would be private)
+    if target.is_dir():
+        shutil.copymode(target, staging)
+    return staging
+
+
+def replace_folder(staging: Path, target: Path) -> None:
+    """Put the complete folder `staging` in `target`'s place, and delete the old `target`.
+
+    A reader sees the old folder or the new one, never a mix. It takes two renames, the old folder to a hidden
+    `.NAME.old-XXXXXXXX` and then `staging` to `target`, since a rename cannot replace a folder that is not empty (only
+    Linux's renameat2(RENAME_EXCHANGE) swaps two, and it is not portable). So for the instant between them there is
+    no `target`, and a process killed in that instant leaves the old folder whole under the hidden name.
+    """
+    if not target.exists():
+        staging.rename(target)
+        return
+    try:
+        cwd = Path.cwd()
+    except FileNotFoundError:  # the process's folder was deleted: it is not in `target`
+        cwd = None
+    backup = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+    target.rename(backup)
+    try:
+        staging.rename(target)
+    except BaseException:
+        backup.rename(target)
+        raise
+    if cwd is not None and (cwd == target or target in cwd.parents):
+        os.chdir(cwd if cwd.is_dir() else target)  # the process stood in the old folder, which goes now: step across
+    shutil.rmtree(backup, ignore_errors=True)
+
+
+def _carry_over(old: Path, new: Path, dropped: Callable[[str], bool]) -> None:
+    """Give `new` every entry of `old` it does not have, except those `dropped` names."""
+    if not old.is_dir():
+        return
+    for entry in old.iterdir():
+        destination = new / entry.name
+        if destination.exists() or destination.is_symlink() or dropped(entry.name):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, destination, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry, destination)
+
+
+def _link_or_copy(source: str | os.PathLike, destination: str | os.PathLike) -> None:
+    """A hard link (no data copied, and a file a process keeps open, a Trainer's log, stays the file it writes), or a
+    copy on a file system without them. Symbolic links are copied as links."""
+    if not os.path.islink(source):
+        try:
+            os.link(source, destination)
+            return
+        except OSError:
+            pass
+    shutil.copy2(source, destination, follow_symlinks=False)
 
 
 def _safetensors_problem(file: Path) -> str | None:

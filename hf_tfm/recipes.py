@@ -2,7 +2,8 @@
 fresh-process generation, model cards and loss curves. The CLI strings these together; each is usable on its own.
 
 Every folder is written under a hidden temporary name next to its target and renamed into place only when complete,
-so an interrupted or failed run never leaves a folder that looks like a finished model.
+so an interrupted or failed run never leaves a folder that looks like a finished model, and one that was to replace a
+folder leaves that folder as it was.
 """
 
 import dataclasses
@@ -15,7 +16,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,6 +41,7 @@ from transformers import (
 )
 
 from . import TfmConfig, TfmForCausalLM, TfmForConditionalGeneration, TfmForSequenceClassification, TfmSeq2SeqConfig
+from .modeling import new_staging_folder, replace_folder
 
 logger = logging.getLogger(__name__)
 
@@ -74,26 +75,21 @@ def check_output_dir(
 def staged_dir(
     dst: str | os.PathLike, overwrite: bool = False, replaceable: Callable[[Path], bool] | None = None
 ) -> Iterator[Path]:
-    """Yield a fresh hidden folder next to `dst`; on success it replaces `dst`, on any error it is deleted."""
+    """Yield a new hidden folder next to `dst`; on success it replaces `dst` as a whole (what `--overwrite` promises:
+    nothing of the old folder is kept), on any error it is deleted and `dst` is left as it was.
+
+    The same staging and swap as every model save (`hf_tfm.modeling.replace_folder`): a run that fails or is killed
+    while overwriting leaves the old folder whole.
+    """
     dst = Path(dst).resolve()
     check_output_dir(dst, overwrite, replaceable)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the finished folder gets the usual permissions
+    stage = new_staging_folder(dst)
     try:
-        yield tmp
+        yield stage
+        replace_folder(stage, dst)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(stage, ignore_errors=True)
         raise
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old-{uuid.uuid4().hex[:8]}")
-        dst.rename(old)
-        tmp.rename(dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(dst)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_without_hf_tfm
+from conftest import build, run_without_hf_tfm, tiny_config
 from fake_hub import FakeHub
 
+from hf_tfm import TfmForCausalLM
 from hf_tfm.cli import main
 from hf_tfm.presets import load_config
 
@@ -443,6 +444,34 @@ def test_convert_exports_a_trained_folder_to_llama(user_models, capsys):
     assert main(["convert", str(lm), str(root / "llama")]) == 0
     assert json.loads((root / "llama" / "config.json").read_text())["model_type"] == "llama"
     assert (root / "llama" / "tokenizer.json").is_file() and no_partial_dirs(root)
+
+
+def test_convert_overwrite_replaces_the_folder_all_at_once(tmp_path, monkeypatch, capsys):
+    """`--overwrite` onto a previous output: a run that fails while writing the weights leaves the old folder as it
+    was; a completed one replaces it whole (what --overwrite promises: the old folder's other files go too)."""
+    pytest.importorskip("hf_tfm.convert")
+    from transformers import modeling_utils
+
+    for seed in (0, 1):
+        build(TfmForCausalLM, tiny_config(), seed=seed).save_pretrained(tmp_path / f"src{seed}")
+    dst, fresh = tmp_path / "llama", tmp_path / "fresh"
+    assert main(["convert", str(tmp_path / "src0"), str(dst)]) == 0
+    (dst / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in dst.iterdir()}
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(modeling_utils, "safe_save_file", no_space)
+        assert main(["convert", str(tmp_path / "src1"), str(dst), "--overwrite"]) == 1
+    assert "No space left on device" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before and no_partial_dirs(tmp_path)
+
+    assert main(["convert", str(tmp_path / "src1"), str(dst), "--overwrite"]) == 0
+    assert main(["convert", str(tmp_path / "src1"), str(fresh)]) == 0
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == {p.name: p.read_bytes() for p in fresh.iterdir()}
+    assert no_partial_dirs(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

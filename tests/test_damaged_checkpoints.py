@@ -18,7 +18,7 @@ from conftest import build, run_without_hf_tfm, tiny_config
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from hf_tfm import TfmForCausalLM, TfmForSequenceClassification
+from hf_tfm import TfmConfig, TfmForCausalLM, TfmForSequenceClassification
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,34 +118,59 @@ model.save_pretrained(sys.argv[1])
 """
 
 
+def _seeded_model(seed: int) -> TfmForCausalLM:
+    """The model SAVE saves with this seed."""
+    torch.manual_seed(seed)
+    return TfmForCausalLM(TfmConfig(vocab_size=32000, hidden_size=256, num_hidden_layers=2, num_attention_heads=4))
+
+
 def _kill_while_saving(folder: Path, seed: int, when: str) -> bool:
-    """Start a save of a 9M-parameter model into `folder` and SIGKILL it; True if it was killed before finishing."""
+    """Start a save of a 9M-parameter model into `folder` and SIGKILL it once the save's staging folder (hidden, next
+    to `folder`) holds `config.json` or the first bytes of `model.safetensors`; True if it was killed before
+    finishing."""
     child = subprocess.Popen(
         [sys.executable, "-c", SAVE, str(folder), str(seed)], stdout=subprocess.PIPE, text=True, cwd=ROOT
     )
     assert child.stdout.readline().strip() == "ready"
     deadline = time.monotonic() + 60
-    target = folder / ("config.json" if when == "config" else "model.safetensors")
-    while not target.exists() and child.poll() is None and time.monotonic() < deadline:
+    pattern = f".{folder.name}.partial-*/" + ("config.json" if when == "config" else "model.safetensors")
+    while not list(folder.parent.glob(pattern)) and child.poll() is None and time.monotonic() < deadline:
         time.sleep(0.0005)
     child.send_signal(signal.SIGKILL)
     return child.wait() == -signal.SIGKILL
 
 
+def _assert_is(loaded, model) -> None:
+    for (name, param), (_, other) in zip(model.named_parameters(), loaded.named_parameters(), strict=True):
+        assert torch.equal(param, other), name
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("when", ["config", "weights"])
 def test_killed_save_never_loads_as_a_complete_wrong_model(tmp_path, when):
+    """Killed mid-write, a save leaves no folder (only its hidden staging folder); finished, the exact model."""
     folder = tmp_path / "model"
-    _kill_while_saving(folder, seed=1, when=when)
-    try:
-        loaded = AutoModelForCausalLM.from_pretrained(folder)
-    except (OSError, ValueError) as err:  # a clear error: no weights yet, or a truncated file named
-        assert "model.safetensors" in str(err) or "config.json" in str(err) or "does not appear" in str(err), err
-        return
-    torch.manual_seed(1)  # it finished before the kill: then it must be exactly the model it saved
-    reference = TfmForCausalLM(loaded.config)
-    for (name, param), (_, other) in zip(reference.named_parameters(), loaded.named_parameters(), strict=True):
-        assert torch.equal(param, other), name
+    if _kill_while_saving(folder, seed=1, when=when):
+        assert not folder.exists()
+        with pytest.raises(OSError):
+            AutoModelForCausalLM.from_pretrained(folder)
+    else:
+        _assert_is(AutoModelForCausalLM.from_pretrained(folder), _seeded_model(1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["config", "weights"])
+def test_killed_overwrite_leaves_the_old_checkpoint(tmp_path, when):
+    """A save over an existing checkpoint, killed before or while writing the weights: the old checkpoint is as it
+    was and loads with the same weights."""
+    folder = tmp_path / "model"
+    _seeded_model(2).save_pretrained(folder)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    killed = _kill_while_saving(folder, seed=1, when=when)
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    if killed:
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    _assert_is(loaded, _seeded_model(2 if killed else 1))
 
 
 @pytest.mark.slow

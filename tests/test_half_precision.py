@@ -3,16 +3,18 @@
 Every position type, pre- and post-norm, decoder and encoder, on a right-padded batch whose last row is fully
 padded: no NaN or Inf anywhere (padded rows and gradients included), and real tokens' logits within `TOLERANCE` of
 fp32 (relative to the largest fp32 logit; the largest difference measured on this grid, rounded up). Two
-configurations run 2,048 tokens. `dtype` survives save/load.
+configurations run 2,048 tokens. `dtype` survives save/load. At the default `initializer_range`, every position type's
+bf16 error is that of in-tree Llama, GPT-2 and BERT models of the same size, measured alongside.
 """
 
+import copy
 import itertools
 
 import pytest
 import torch
 from conftest import build, random_ids, tiny_config
 
-from hf_tfm import TfmForCausalLM, TfmForMaskedLM
+from hf_tfm import TfmConfig, TfmForCausalLM, TfmForMaskedLM
 
 # Max |half - fp32| over real tokens' logits, relative to the largest |fp32 logit| (bf16 keeps 8 mantissa bits, fp16
 # 11). Measured (torch 2.13 CPU, sdpa): 16 tokens bf16 <= 0.037, fp16 <= 0.0031; 2,048 tokens bf16 0.137 (RoPE
@@ -82,3 +84,61 @@ def test_dtype_round_trips_through_save_and_load(tmp_path, dtype):
     assert loaded.dtype == dtype and loaded.config.dtype == dtype
     for (name, param), (_, other) in zip(model.named_parameters(), loaded.named_parameters(), strict=True):
         assert torch.equal(param, other), name
+
+
+# --- At initialisation with the default `initializer_range` (0.02, not TINY's 0.2), models cast with `.to(bf16)`.
+# Two errors against the same model in fp32: over all logits, and over logits(a) - logits(b) for two token sequences
+# at the same positions (what the tokens contribute: the positions cancel). Measured (torch 2.13 CPU, these sizes),
+# logits / token signal: in-tree Llama 0.0066 / 0.0067, GPT-2 0.0066 / 0.0086, BERT 0.0071 / 0.0114; hf_tfm rope,
+# alibi, learned 0.0059-0.0074 / 0.0063-0.0088; sinusoidal 0.0050 / 0.0058 (decoder), 0.0063 / 0.0075 (encoder). It
+# was 0.035 / 0.13 and 0.037 / 0.16 with bf16-cast frequencies and unscaled tokens at initializer_range; fp32
+# frequencies alone give 0.005 / 0.13, and sqrt(d) with the 0.02 init 0.005 / 0.014-0.018.
+INIT_SIZES = {"vocab_size": 1000, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+INIT_TOKENS = 256  # sinusoidal angles grow with the position: bf16 frequencies turned them by up to 0.5 rad here
+INIT_MARGIN = 1.25  # over the worst in-tree model: run-to-run spread of these errors across seeds is about 15%
+
+
+def _bf16_errors(model) -> tuple[float, float]:
+    """(logit error, token-signal error) of `model` cast to bf16 against itself in fp32 (Frobenius norms)."""
+    a, b = (random_ids(2, INIT_TOKENS, vocab_size=INIT_SIZES["vocab_size"], seed=seed) for seed in (1, 2))
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    with torch.no_grad():
+        fp32 = [model(input_ids=ids).logits.double() for ids in (a, b)]
+        bf16 = [half(input_ids=ids).logits.double() for ids in (a, b)]
+    logits = (bf16[0] - fp32[0]).norm() / fp32[0].norm()
+    reference = fp32[0] - fp32[1]
+    tokens = ((bf16[0] - bf16[1]) - reference).norm() / reference.norm()
+    return logits.item(), tokens.item()
+
+
+@pytest.fixture(scope="module")
+def in_tree_bf16_errors() -> dict[str, tuple[float, float]]:
+    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    v, d, n, h = (INIT_SIZES[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"))
+    sizes = {"vocab_size": v, "hidden_size": d, "num_hidden_layers": n, "num_attention_heads": h}
+    configs = {
+        "Llama": (LlamaForCausalLM, LlamaConfig(**sizes, intermediate_size=4 * d)),
+        "GPT-2": (
+            GPT2LMHeadModel,
+            GPT2Config(vocab_size=v, n_embd=d, n_layer=n, n_head=h, bos_token_id=1, eos_token_id=2),
+        ),
+        "BERT": (BertForMaskedLM, BertConfig(**sizes, intermediate_size=4 * d)),
+    }
+    errors = {}
+    for name, (cls, config) in configs.items():
+        torch.manual_seed(0)
+        errors[name] = _bf16_errors(cls(config).eval())
+    return errors
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["decoder", "encoder"])
+@pytest.mark.parametrize("position", ["rope", "alibi", "learned", "sinusoidal"])
+def test_bf16_error_at_init_is_the_in_tree_models(position, causal, in_tree_bf16_errors):
+    torch.manual_seed(0)
+    config = TfmConfig(**INIT_SIZES, position_embedding_type=position, is_causal=causal)
+    model = (TfmForCausalLM if causal else TfmForMaskedLM)(config).eval()
+    logits, tokens = _bf16_errors(model)
+    worst_logits, worst_tokens = (max(errors[i] for errors in in_tree_bf16_errors.values()) for i in (0, 1))
+    assert logits <= INIT_MARGIN * worst_logits, (logits, in_tree_bf16_errors)
+    assert tokens <= INIT_MARGIN * worst_tokens, (tokens, in_tree_bf16_errors)

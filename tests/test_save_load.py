@@ -1,6 +1,12 @@
-"""save_pretrained / from_pretrained: bit-identical heads, tying, computed buffers, auto_map and remote code."""
+"""save_pretrained / from_pretrained: bit-identical heads, tying, computed buffers, auto_map and remote code, and
+overwriting a checkpoint all at once."""
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +20,9 @@ from transformers import (
     AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
+    modeling_utils,
 )
+from transformers.testing_utils import CaptureLogger
 
 from hf_tfm import (
     TfmForCausalLM,
@@ -23,6 +31,7 @@ from hf_tfm import (
     TfmForSequenceClassification,
     TfmForTokenClassification,
     TfmModel,
+    modeling,
 )
 from hf_tfm.modeling import AUTO_MAP
 
@@ -218,3 +227,155 @@ def test_run_without_hf_tfm_blocks_the_package(tmp_path):
     assert run_without_hf_tfm("import json; print(json.dumps(1 + 1))", tmp_path).strip() == "2"
     with pytest.raises(RuntimeError, match=r"ModuleNotFoundError|ImportError"):
         run_without_hf_tfm("import hf_tfm", tmp_path)
+
+
+# --- overwriting a checkpoint: written to a hidden folder next to it and swapped in whole; other files are kept
+
+SHARDS = "20KB"  # five shards of a tiny model
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` (relative path -> bytes)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def leftovers(folder: Path) -> list[str]:
+    """Staging or backup folders of `folder` (`.NAME.partial-*`, `.NAME.old-*`)."""
+    return sorted(p.name for p in folder.parent.iterdir() if p.name.startswith(f".{folder.name}."))
+
+
+def assert_loads_as(folder: Path, model) -> None:
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    expected = model.state_dict()
+    assert loaded.config.intermediate_size == model.config.intermediate_size
+    assert loaded.state_dict().keys() == expected.keys()
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+@pytest.fixture
+def checkpoints(tmp_path):
+    """An old and a new causal LM of different sizes and seeds, and a folder where the user keeps other files."""
+    old = build(TfmForCausalLM, tiny_config(), seed=0)
+    new = build(TfmForCausalLM, tiny_config(intermediate_size=64), seed=1)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "README.md").write_text("# my model\n")
+    (folder / "tokenizer.json").write_text('{"version": "1.0"}')
+    (folder / "runs").mkdir()
+    (folder / "runs" / "events.log").write_text("step 1\n")
+    return old, new, folder
+
+
+@pytest.mark.parametrize("shards", [None, SHARDS], ids=["one-file", "sharded"])
+def test_overwrite_that_fails_midway_leaves_the_old_checkpoint(checkpoints, monkeypatch, shards):
+    """Failing before the first weight byte (one file) or after the first shard: the folder is byte for byte what it
+    was, loads as the old model, and no staging folder is left."""
+    old, new, folder = checkpoints
+    size = {"max_shard_size": shards} if shards else {}
+    old.save_pretrained(folder, **size)
+    before = snapshot(folder)
+    assert len([name for name in before if name.endswith(".safetensors")]) == (5 if shards else 1)
+    written, save_file = [], modeling_utils.safe_save_file
+
+    def write_then_fail(tensors, filename, **kwargs):  # the safetensors writer transformers calls for each file
+        if len(written) == (1 if shards else 0):
+            raise OSError(28, "No space left on device")
+        written.append(filename)
+        return save_file(tensors, filename, **kwargs)
+
+    monkeypatch.setattr(modeling_utils, "safe_save_file", write_then_fail)
+    with pytest.raises(OSError, match="No space left on device"):
+        new.save_pretrained(folder, **size)
+    assert len(written) == (1 if shards else 0)
+    assert snapshot(folder) == before and leftovers(folder) == []
+    assert_loads_as(folder, old)
+
+
+@pytest.mark.parametrize(("old_shards", "new_shards"), [(None, SHARDS), (SHARDS, None), (SHARDS, SHARDS)])
+def test_completed_overwrite_loads_the_new_weights_and_keeps_other_files(
+    checkpoints, tmp_path, old_shards, new_shards
+):
+    """The new checkpoint replaces the old one's weight files (stale shards or a stale unsharded file, which
+    transformers would load in preference to new shards, are dropped); files the save does not write stay."""
+    old, new, folder = checkpoints
+    user_files = snapshot(folder)
+    old.save_pretrained(folder, **({"max_shard_size": old_shards} if old_shards else {}))
+    new.save_pretrained(folder, **({"max_shard_size": new_shards} if new_shards else {}))
+    new.save_pretrained(tmp_path / "fresh", **({"max_shard_size": new_shards} if new_shards else {}))
+    assert set(snapshot(folder)) == set(snapshot(tmp_path / "fresh")) | set(user_files)
+    assert {name: snapshot(folder)[name] for name in user_files} == user_files
+    assert leftovers(folder) == []
+    assert_loads_as(folder, new)
+
+
+def test_save_from_a_process_that_does_not_save_leaves_the_folder_alone(checkpoints):
+    """Distributed saves call save_pretrained on every rank; only the main process writes (and stages)."""
+    old, new, folder = checkpoints
+    old.save_pretrained(folder)
+    before = snapshot(folder)
+    new.save_pretrained(folder, is_main_process=False)
+    assert snapshot(folder) == before and leftovers(folder) == []
+
+
+def test_save_into_the_working_directory(checkpoints, monkeypatch):
+    """`save_pretrained(".")`: the process stays in the folder, which now holds the new checkpoint."""
+    old, new, folder = checkpoints
+    old.save_pretrained(folder)
+    monkeypatch.chdir(folder)
+    new.save_pretrained(".")
+    assert Path.cwd() == folder.resolve() and Path("README.md").is_file()
+    assert_loads_as(folder, new)
+    assert leftovers(folder) == []
+
+
+def test_a_folder_that_cannot_be_swapped_is_saved_in_place(checkpoints, monkeypatch):
+    """A mount point cannot be renamed: the save goes in place, as transformers' does, and says so."""
+    old, new, folder = checkpoints
+    old.save_pretrained(folder)
+    is_mount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == folder.resolve() or is_mount(path))
+    with CaptureLogger(modeling.logger) as captured:
+        new.save_pretrained(folder)
+    assert "in place, not all at once" in captured.out and "mount point" in captured.out
+    assert_loads_as(folder, new)
+    assert (folder / "README.md").read_text() == "# my model\n" and leftovers(folder) == []
+
+
+@pytest.mark.slow
+def test_push_to_hub_from_an_overwritten_folder(checkpoints, tmp_path):
+    """`save_pretrained(push_to_hub=True)` names the repository after the folder (not its staging name) and uploads
+    what the save wrote; the user's other files stay local."""
+    from fake_hub import FakeHub
+
+    old, new, folder = checkpoints
+    old.save_pretrained(folder)
+    new.save_pretrained(tmp_path / "new")
+    hub = FakeHub().start()
+    try:
+        code = f"""
+            from transformers import AutoModelForCausalLM
+            from hf_tfm import TfmForCausalLM
+            model = TfmForCausalLM.from_pretrained({str(tmp_path / "new")!r})
+            model.save_pretrained({str(folder)!r}, push_to_hub=True)
+        """
+        env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_TOKEN": "hf_fake", "HF_HOME": str(tmp_path / "hf")}
+        env.pop("HF_HUB_OFFLINE", None)
+        result = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=180
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        pushed = hub.files("fake-user/model")
+    finally:
+        hub.stop()
+    assert set(pushed) == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "modeling.py",
+        "configuration.py",
+        "README.md",
+    }
+    assert pushed["model.safetensors"] == (folder / "model.safetensors").read_bytes()
+    assert (folder / "tokenizer.json").is_file() and (folder / "runs" / "events.log").is_file()
+    assert_loads_as(folder, new)

@@ -1,5 +1,6 @@
 """Sinusoidal positions: the paper's interleaved table by default, the halves table (Marian) by choice, and configs
-saved before the choice existed still load as the halves table they were built with."""
+saved before the choice existed still load as the halves table they were built with. Token embeddings are scaled by
+sqrt(hidden_size) by default (the paper's), and configs saved unscaled still load unscaled."""
 
 import json
 
@@ -79,3 +80,47 @@ def test_config_saved_before_the_knob_loads_as_halves(tmp_path):
         interleaved = build(TfmForCausalLM, tiny_config(position_embedding_type="sinusoidal"))
         interleaved.load_state_dict(model.state_dict())
         assert not torch.allclose(interleaved(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+# --- `embedding_scale`: sqrt(hidden_size) by default with sinusoidal positions, and configs saved before keep theirs
+
+
+def test_embedding_scale_defaults_to_sqrt_hidden_size_with_sinusoidal_positions():
+    config = TfmConfig(hidden_size=64, position_embedding_type="sinusoidal")
+    assert config.embedding_scale == 8.0 and config.to_dict()["embedding_scale"] == 8.0  # saved as the number
+    assert TfmConfig(hidden_size=64, position_embedding_type="sinusoidal", embedding_scale=1.0).embedding_scale == 1.0
+    for position in ("rope", "learned", "alibi"):
+        assert TfmConfig(hidden_size=64, position_embedding_type=position).embedding_scale == 1.0
+    paper = load_config("transformer-base")
+    assert paper.encoder.embedding_scale == paper.decoder.embedding_scale == 512**0.5
+    # The token table starts with std 1/sqrt(hidden_size) with the paper's scale, at initializer_range otherwise
+    for scale, std in ((None, 64**-0.5), (1.0, 0.2), (2.0, 0.2)):
+        model = build(
+            TfmForCausalLM, tiny_config(hidden_size=64, position_embedding_type="sinusoidal", embedding_scale=scale)
+        )
+        assert abs(model.model.embed_tokens.weight.std().item() / std - 1) < 0.05, (scale, std)
+
+
+def test_config_saved_before_the_default_keeps_its_embedding_scale(tmp_path):
+    """A sinusoidal checkpoint saved unscaled (`embedding_scale: 1.0`, or no key: saved before the knob existed) loads
+    with 1.0 and computes what it computed; a hand-written config without the key gets the new default."""
+    model = build(TfmForCausalLM, tiny_config(position_embedding_type="sinusoidal", embedding_scale=1.0))
+    model.save_pretrained(tmp_path)
+    config_file = tmp_path / "config.json"
+    saved = json.loads(config_file.read_text())
+    assert saved["embedding_scale"] == 1.0
+    ids = random_ids(2, 9)
+    for keep_key in (True, False):
+        if not keep_key:
+            del saved["embedding_scale"]
+            config_file.write_text(json.dumps(saved))
+            assert TfmConfig.from_json_file(config_file).embedding_scale == 1.0
+            assert TfmConfig.from_dict(saved).embedding_scale == 1.0
+            assert load_config(tmp_path).embedding_scale == 1.0
+        assert AutoConfig.from_pretrained(tmp_path).embedding_scale == 1.0
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+        assert loaded.config.embedding_scale == 1.0
+        with torch.no_grad():
+            assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    hand_written = {k: v for k, v in saved.items() if k != "transformers_version"}
+    assert TfmConfig.from_dict(hand_written).embedding_scale == 32**0.5
