@@ -252,7 +252,8 @@ def test_convert_path_both_directions_in_the_published_layout(tmp_path, case, au
     assert saved["model_type"] == family and "auto_map" not in saved
     assert not list((tmp_path / "back").glob("*.py"))
     assert stored_keys(tmp_path / "back") == stored_keys(tmp_path / "in_tree")  # the family's own layout again
-    back = auto_class.from_pretrained(tmp_path / "back")  # plain transformers: no remote code involved
+    # plain transformers, no remote code; the experts kernel the reference ran (sums in another order differ in ulps)
+    back = auto_class.from_pretrained(tmp_path / "back", experts_implementation="eager")
     assert type(back) is type(reference)
     inputs, _ = padded_batch()
     torch.testing.assert_close(outputs(back, inputs)[0], outputs(reference, inputs)[0], rtol=0, atol=0)

@@ -190,7 +190,8 @@ def test_one_expert_top1_equals_the_dense_ffn(norm_topk_prob):
         for implementation in IMPLEMENTATIONS:
             sparse.set_experts_implementation(implementation)
             got = sparse(input_ids=ids, attention_mask=mask).logits
-            torch.testing.assert_close(got, expected, atol=1e-6, rtol=0, msg=implementation)
+            # fp32 rounding only: the kernels sum in other orders (batched_mm 1.5e-6 on an AMD EPYC, |logits| ~3)
+            torch.testing.assert_close(got, expected, atol=ATOL, rtol=0, msg=implementation)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -575,6 +576,7 @@ def test_lora_on_attention_and_experts_trains_saves_loads_and_merges(tmp_path):
     again = TfmForCausalLM.from_pretrained(tmp_path / "merged", experts_implementation="eager").eval()
     real = mask.bool()  # padded positions are don't-care (their attention rows are empty)
     with torch.no_grad():
+        reloaded.base_model.model.set_experts_implementation("grouped_mm")  # the kernel `adapted` ran last
         assert torch.equal(reloaded(input_ids=ids, attention_mask=mask).logits, adapted["grouped_mm"])
         for result in (merged, again):
             logits = result(input_ids=ids, attention_mask=mask).logits

@@ -105,7 +105,9 @@ def test_sequence_classifier_gradient_accumulation_is_exact(tmp_path):
         )
         Trainer(model=model, args=args, train_dataset=data, data_collator=PadCollator()).train()
         runs[name] = model
-    assert max_param_diff(runs["accumulated"], runs["batched"]) < 1e-6
+    assert (
+        max_param_diff(runs["accumulated"], runs["batched"]) < 2e-6
+    )  # fp32 rounding of two summation orders: 1.07e-6 on an AMD EPYC
     assert max_param_diff(runs["batched"], base) > 1e-3  # it did train
 
 
