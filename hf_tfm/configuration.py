@@ -1,7 +1,9 @@
 """TfmConfig: one flat config that describes every block hf_tfm can build.
 
-Each architectural axis is one `Literal` field, so an invalid variant cannot be spelled; combinations that make no
-sense fail at construction with a `ValueError` that names the knob. This file imports no torch, as HF configs don't.
+Each architectural axis is one `Literal` field, so an invalid variant cannot be spelled; values that cannot be computed
+fail at construction with a `ValueError` that names the knob. As in transformers' in-tree configs, a knob without
+effect in its configuration and a key no knob reads are accepted (kept, saved back) and named in a warning. This file
+imports no torch, as HF configs don't.
 """
 
 import dataclasses
@@ -40,8 +42,6 @@ if "ep_size" in DistributedConfig.__dataclass_fields__:
 else:
     MOE_EP_PLAN = {"layers.*.mlp.gate": "ep_router", "layers.*.mlp.experts": "moe_tp_experts"}
 MOE_EP_PLAN |= {"layers.*.mlp.experts.gate_up_proj": "grouped_gemm", "layers.*.mlp.experts.down_proj": "grouped_gemm"}
-# A q/k norm over the whole projection (`qk_norm_scope="projection"`) needs every head: the projections are gathered
-# before it and split again before `o_proj`, as OLMoE's plan does.
 # Tensor parallelism, as Llama's plan; `TfmConfig.base_model_tp_plan` keeps the entries its configuration builds.
 # `embed_tokens` is named here, not left to the release (newer ones add it, 5.16 does not), so a head tied to it
 # (`lm_head`, sharded on the vocabulary too) is sharded together with it on every release.
@@ -61,6 +61,8 @@ EXPERTS_TP_PLAN = {
     "layers.*.mlp.experts.down_proj": "rowwise",
     "layers.*.mlp.experts": "moe_tp_experts",
 }
+# A q/k norm over the whole projection (`qk_norm_scope="projection"`) needs every head: the projections are gathered
+# before it and split again before `o_proj`, as OLMoE's plan does.
 PROJECTION_QK_NORM_TP_PLAN = {
     "layers.*.self_attn.q_proj": "colwise_gather_output",
     "layers.*.self_attn.k_proj": "colwise_gather_output",
