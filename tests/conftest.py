@@ -33,6 +33,17 @@ def fresh_dynamo():
         torch._dynamo.utils.counters.clear()  # reset() keeps them; cleared, they say whether the next test compiled
 
 
+@pytest.fixture(autouse=True)
+def transformers_verbosity():
+    """Each test leaves transformers' log level as it found it: `hf-tfm` commands run in-process set it to errors (as
+    the command should), which would hide the warnings later tests read (transformers' loading report, for one)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    yield
+    hf_logging.set_verbosity(level)
+
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
