@@ -33,6 +33,13 @@ def fresh_dynamo():
         torch._dynamo.utils.counters.clear()  # reset() keeps them; cleared, they say whether the next test compiled
 
 
+def pytest_collection_modifyitems(items: list) -> None:
+    """transformers' common model tests (test_transformers_common.py) run first, in a process no test has touched yet:
+    their loading-report checks read transformers' log output, which an earlier test in a full run leaves silent (not
+    through the log level, which `transformers_verbosity` restores; not found yet, see issue 18's closing note)."""
+    items.sort(key=lambda item: item.path.name != "test_transformers_common.py")  # stable: the rest keep their order
+
+
 @pytest.fixture(autouse=True)
 def transformers_verbosity():
     """Each test leaves transformers' log level as it found it: `hf-tfm` commands run in-process set it to errors (as
