@@ -458,6 +458,7 @@ class TfmConfig(PreTrainedConfig):
         return (
             self.num_experts is not None
             and layer_idx not in (self.mlp_only_layers or ())
+            and self.decoder_sparse_step > 0  # a step <= 0 is refused by `validate_architecture`, not by a % 0 here
             and (layer_idx + 1) % self.decoder_sparse_step == 0
         )
 
