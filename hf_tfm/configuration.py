@@ -80,7 +80,10 @@ def _no_effect(knob: str, value, why: str) -> None:
 def _known_keys(config_class: type) -> frozenset[str]:
     """Every key a config of this class reads or transformers writes into its config.json."""
     own = set(config_class().to_dict()) | {field.name for field in dataclasses.fields(config_class)}
-    own |= {name for name, value in vars(config_class).items() if isinstance(value, property)}
+    # properties, the base class's too: `from_pretrained` passes `name_or_path` (PreTrainedConfig's property) back in
+    own |= {
+        name for klass in config_class.__mro__ for name, value in vars(klass).items() if isinstance(value, property)
+    }
     return frozenset(own | set(PreTrainedConfig().to_dict()) | set(config_class.attribute_map) | EXTRA_CONFIG_KEYS)
 
 

@@ -112,6 +112,27 @@ def test_a_misspelt_knob_warns_with_the_nearest_one(caplog):
     assert "does not read" not in caplog.text  # transformers' own keys and special-token ids are known
 
 
+def test_loading_a_saved_folder_names_no_unknown_key(tmp_path, caplog):
+    """The keys `from_pretrained` itself passes back into the config (`name_or_path`, a base-class property) are known:
+    only a key no knob reads is named, never an ordinary save/load round trip."""
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSeq2SeqLM,
+        AutoModelForSequenceClassification,
+    )
+
+    build(modeling.TfmForCausalLM, tiny_config()).save_pretrained(tmp_path / "lm")
+    build(modeling.TfmForConditionalGeneration, tiny_seq2seq_config()).save_pretrained(tmp_path / "s2s")
+    with caplog.at_level(logging.WARNING):
+        AutoConfig.from_pretrained(tmp_path / "lm")
+        AutoModelForCausalLM.from_pretrained(tmp_path / "lm")
+        AutoModelForCausalLM.from_pretrained(tmp_path / "lm", trust_remote_code=True)
+        AutoModelForSequenceClassification.from_pretrained(tmp_path / "lm", num_labels=3)
+        AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "s2s")
+    assert "does not read" not in caplog.text
+
+
 def test_backbone_pooler_is_built_by_the_backbone_only(tmp_path):
     """`add_pooling_layer` gives TfmModel a pooler; heads pool for themselves and report its weights as unexpected."""
     config = tiny_config(is_causal=False, position_embedding_type="learned", add_pooling_layer=True)
