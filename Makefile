@@ -36,19 +36,27 @@ matrix-env:
 	$(MAKE) env
 	set -e; for v in $(MATRIX); do $(MAKE) env TRANSFORMERS=$$v; done
 
-# The newest release (the default environment), then each pinned one, each in its own environment. transformers' own
-# common model tests (tests/test_transformers_common.py, about 2 minutes a release) run on the range's ends: the newest
-# release and COMMON_ENDS; the releases between run the rest of the suite.
+# The newest release (the default environment), then each pinned one, each in its own environment. The files in
+# ENDS_ONLY run on the range's ends only, the newest release and COMMON_ENDS: transformers' own common model tests
+# (about 2 minutes a release), the documentation pages' code and the GGUF export. The releases between run the rest.
 COMMON_ENDS ?= 5.16.1
+ENDS_ONLY := tests/test_transformers_common.py tests/test_doc_pages.py tests/test_docs_reference.py \
+	tests/test_export_gguf.py
 test-matrix: matrix-env
 	$(MAKE) test
 	set -e; for v in $(MATRIX); do \
-		case " $(COMMON_ENDS) " in *" $$v "*) skip="";; *) skip="--ignore=tests/test_transformers_common.py";; esac; \
+		case " $(COMMON_ENDS) " in *" $$v "*) skip="";; *) skip="$(addprefix --ignore=,$(ENDS_ONLY))";; esac; \
 		$(MAKE) test TRANSFORMERS=$$v ARGS="$$skip $(ARGS)"; \
 	done
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+# The documentation site: docs/ -> site/ with mkdocs (Material theme), strict (a broken link, a missing page or a
+# page left out of the navigation fails). `make docs ARGS=serve` serves it at http://127.0.0.1:8000 instead.
+.PHONY: docs
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs $(or $(ARGS),build) --strict
 
 # vLLM's CPU build, in an environment of its own (.venv-vllm), for the serving tests (tests/test_serving_vllm.py,
 # `-m serving`). hf_tfm is not installed there: the served folders load through trust_remote_code. The install pulls

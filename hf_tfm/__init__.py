@@ -63,11 +63,16 @@ _CONVERT_NAMES = ("convert_path", "export_blockers", "from_hf", "to_hf")
 
 
 def __getattr__(name: str):
-    """`hf_tfm.from_hf` / `to_hf` / `convert_path`: imported on first use (they load the in-tree model families)."""
+    """`hf_tfm.from_hf` / `to_hf` / `convert_path` / `export`: imported on first use (they load the in-tree model
+    families); `hf_tfm.export` (hf_tfm.exporters.export) likewise."""
     if name in _CONVERT_NAMES:
         from . import convert
 
         return getattr(convert, name)
+    if name == "export":
+        from .exporters import export
+
+        return export
     raise AttributeError(f"module 'hf_tfm' has no attribute {name!r}")
 
 
@@ -84,6 +89,7 @@ __all__ = [
     "TfmSeq2SeqConfig",
     "TfmSeq2SeqModel",
     "convert_path",
+    "export",
     "export_blockers",
     "from_hf",
     "from_torch",

@@ -9,6 +9,7 @@
     hf-tfm push DIR --repo-id ID               upload a folder to the Hugging Face Hub (HF_ENDPOINT is honoured)
     hf-tfm info PATH_OR_PRESET                 config, parameter count, supported integrations
     hf-tfm convert SRC DST                     to/from an in-tree transformers family (hf_tfm.convert)
+    hf-tfm export SRC DST --format gguf        a GGUF file for llama.cpp (hf_tfm.export), optionally verified
 
 Errors in the user's input exit with status 1 and a one-line message; argparse usage errors exit with status 2.
 Training, data and Hub imports happen inside the subcommands that need them.
@@ -794,6 +795,33 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from .exporters import export, verify
+
+    src = _require_model_dir(args.src)
+    dst = Path(args.dst)
+    if dst.is_dir():
+        dst = dst / f"model-{args.quantize}.gguf"
+    if dst.exists() and not args.overwrite:
+        raise CliError(f"{dst} exists; pass --overwrite to replace it")
+    try:
+        path = export(src, dst, format=args.format, quantize=args.quantize)
+    except ImportError as err:  # the `gguf` package: one line naming what to install
+        raise CliError(str(err)) from err
+    print(f"exported {args.src} -> {path} ({args.format}, {args.quantize}, {path.stat().st_size / 2**20:.1f} MiB)")
+    if not args.verify:
+        return 0
+    report = verify(path, src, prompts=args.prompt, max_new_tokens=args.max_new_tokens)
+    agreement = f"{report['agreement']:.1%} of {report['prompts']} x {report['max_new_tokens']}"
+    print(f"verified with transformers' GGUF loader ({report['architecture']} -> {report['class']}):")
+    print(f"  greedy tokens equal: {'yes' if report['tokens_equal'] else 'no'} ({agreement} positions agree)")
+    print(f"  largest logit difference: {report['max_logit_diff']:.3g}")
+    if args.quantize == "f32" and not report["tokens_equal"]:
+        print("hf-tfm export: error: the f32 export's greedy tokens differ from hf_tfm's", file=sys.stderr)
+        return 1
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Parser
 
@@ -841,11 +869,27 @@ def _add_training_args(p: argparse.ArgumentParser, labelled: bool) -> None:
     train.add_argument("--seed", type=int, default=0)
 
 
+# The documentation page of each subcommand (docs/ in the repository; `make docs` builds it into a site).
+DOC_PAGES = {
+    "demo": "docs/cli.md#the-main-job-make-demo",
+    "pretrain": "docs/cli.md#subcommands (training: docs/training.md, seq2seq: docs/seq2seq.md)",
+    "finetune": "docs/cli.md#subcommands (training: docs/training.md, seq2seq: docs/seq2seq.md)",
+    "generate": "docs/cli.md#subcommands (--quantize: docs/fast-inference.md)",
+    "classify": "docs/cli.md#subcommands",
+    "push": "docs/cli.md#subcommands",
+    "serve": "docs/serving.md",
+    "info": "docs/cli.md#subcommands",
+    "convert": "docs/convert.md",
+    "export": "docs/deployment.md",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `hf-tfm` argument parser with all subcommands."""
     parser = argparse.ArgumentParser(
         prog="hf-tfm",
         description="Train, use and share hf_tfm transformers.",
+        epilog="Documentation: docs/index.md (docs/cli.md for the commands); `COMMAND --help` names its page.",
         formatter_class=argparse.RawTextHelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="more logging")
@@ -880,7 +924,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quantize",
         choices=list(QUANTIZE_HELP),
-        help="quantize the weights while loading, for faster CPU decoding (README: Fast inference): "
+        help="quantize the weights while loading, for faster CPU decoding (docs/fast-inference.md): "
         + "; ".join(f"{k} = {v}" for k, v in QUANTIZE_HELP.items()),
     )
     p.add_argument(
@@ -915,6 +959,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="an OpenAI-compatible server for a model folder (vLLM or transformers serve)",
         epilog="Arguments after -- go to the engine's server, e.g. `-- --dtype float32`.",
     )
+    p.epilog += f"\nDocumentation: {DOC_PAGES['serve']}"
     p.add_argument("model", help="model folder (with tokenizer)")
     p.add_argument("--engine", choices=["vllm", "transformers"], default="vllm", help="default: vllm")
     p.add_argument("--host", default="127.0.0.1")
@@ -931,6 +976,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("export", help="a causal LM as a GGUF file for llama.cpp (hf_tfm.export)")
+    p.add_argument("src", help="hf_tfm causal LM folder (with tokenizer.json)")
+    p.add_argument("dst", help="the .gguf file to write (a folder gets model-<type>.gguf)")
+    p.add_argument("--format", choices=["gguf"], default="gguf", help="default: gguf")
+    p.add_argument(
+        "--quantize",
+        choices=["f32", "f16", "bf16", "q8_0", "q4_0"],
+        default="f32",
+        help="type of the 2-D weights (norms and biases stay F32); default: f32, exact",
+    )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="load the file in a fresh process through transformers' GGUF loader and compare greedy tokens and "
+        "logits with hf_tfm's (exit 1 when an f32 export's tokens differ)",
+    )
+    p.add_argument("--prompt", action="append", help="--verify prompt (repeatable; default: two code prompts)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="--verify: greedy tokens per prompt (default 32)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DST file")
+    p.set_defaults(func=cmd_export)
+    for name, command in sub.choices.items():
+        if name != "serve":
+            command.epilog = f"Documentation: {DOC_PAGES[name]}"
     return parser
 
 

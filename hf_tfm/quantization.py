@@ -4,7 +4,7 @@ Batch-1 decoding streams every weight once per token, so on a CPU its speed is s
 transformers' quantization integrations (bitsandbytes, torchao, optimum-quanto) cut those bytes and load hf_tfm
 models as they load the in-tree ones: `from_pretrained(path, quantization_config=...)`. This module names, for each
 setting of `hf-tfm generate --quantize`, the backend that decoded fastest on this project's CPU
-(`scripts/bench.py --decode-settings`, README "Fast inference"), and the dtype of what stays unquantized.
+(`scripts/bench.py --decode-settings`, docs/fast-inference.md), and the dtype of what stays unquantized.
 
 Every quantizer leaves the output embedding (`lm_head`), tied weights and the last module unquantized, and
 quantizes `nn.Linear` layers only: mixture-of-experts experts (3-D parameters) and the router stay as they are.
@@ -95,13 +95,13 @@ def _nf4(config: "PretrainedConfig") -> "QuantizationConfigMixin":
     from transformers import BitsAndBytesConfig
 
     # Single quantization: double-quantized scales save 0.4 bits per weight but decoded 15% slower here. A model
-    # quantized this way saves correctly only before its first forward (README "Fast inference", bitsandbytes 0.50).
+    # quantized this way saves correctly only before its first forward (docs/fast-inference.md, bitsandbytes 0.50).
     # bitsandbytes' CPU 4-bit kernel computes in bf16 whatever the input's dtype, so bf16 around it loses nothing
     # the kernel has not lost already, and halves the bytes of `lm_head`.
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
 
 
-# One backend per setting: the fastest of those that ran here (README "Fast inference" has the table).
+# One backend per setting: the fastest of those that ran here (docs/fast-inference.md has the table).
 BACKENDS: dict[str, QuantizationBackend] = {
     "int8": QuantizationBackend("int8", "torchao", "torchao==0.18.0", "torchao int8 weight-only", _int8, "float32"),
     "int4": QuantizationBackend(

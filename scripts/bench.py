@@ -47,6 +47,10 @@ scales. Their rate per step, divided by this machine's streaming bandwidth (``st
 ``BANDWIDTH_MIB``, measured in the same run), is the bandwidth fraction. A setting that fails to load or run here is
 reported with its error.
 
+Charts (``--charts DIR``): PNGs of the run, ``speedup.png`` (in-tree time / hf_tfm time per pair and task) and, for a
+decode-settings run, ``decode_settings.png`` (ms per decode step and fraction of the streaming bandwidth per setting);
+``--charts DIR --from-json bench.json`` draws them from a saved ``--json`` output without running anything.
+
 Usage: ``python scripts/bench.py --size small --rounds 5 --json bench.json``. See ``--help``.
 """
 
@@ -63,6 +67,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
@@ -593,7 +598,16 @@ def parse_args(argv=None):
         action="store_true",
         help="CUDA mode: bf16, MFU against the GPU's bf16 peak, and flash-attention vs sdpa (untested here)",
     )
+    p.add_argument("--charts", metavar="DIR", default=None, help="write PNG charts of the results into DIR")
+    p.add_argument(
+        "--from-json",
+        metavar="JSON",
+        default=None,
+        help="with --charts: draw the charts of this saved --json output instead of running the benchmark",
+    )
     args = p.parse_args(argv)
+    if args.from_json and not args.charts:
+        p.error("--from-json needs --charts DIR")
     args.sizes = ["small", "base"] if args.size == "all" else [args.size]
     args.task_list = [t for t in args.tasks.split(",") if t]
     bad = set(args.task_list) - set(ALL_TASKS)
@@ -613,6 +627,12 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.from_json:  # charts of a saved run, nothing timed
+        with open(args.from_json) as f:
+            out = json.load(f)
+        for path in write_charts(out, Path(args.charts)):
+            print(path)
+        return out
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     device = "cpu"
@@ -726,6 +746,9 @@ def main(argv=None) -> dict:
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table + "\n")
+    if args.charts:
+        for path in write_charts(out, Path(args.charts)):
+            print(f"[bench] wrote {path}", file=sys.stderr, flush=True)
     return out
 
 
@@ -1152,6 +1175,134 @@ def decode_markdown(rows: list[dict], bandwidth: dict, batches: tuple[int, int])
             f"| {o[f'b{b1}_bandwidth_frac']:.2f} / {t[f'b{b1}_bandwidth_frac']:.2f} |"
         )
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Charts of a run's output (`--charts DIR`, or `--charts DIR --from-json bench.json`)
+
+CHART_WIDTH_IN, CHART_DPI = 9.0, 150  # 1350 px, readable shown 900 px wide
+SIDES = {"ours": "hf_tfm", "theirs": "in-tree"}
+
+
+def write_charts(out: dict, directory: Path) -> list[Path]:
+    """PNG charts of a run's output (as `--json` writes it): `speedup.png` when it has pair results,
+    `decode_settings.png` when it has decode-setting results. Returns the paths written."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    title = run_title(out)
+    # train_compiled times hf_tfm compiled against hf_tfm eager, not against the in-tree model
+    rows = [r for r in out.get("results", []) if r["task"] != "train_compiled"]
+    figures = {}
+    if rows:
+        figures["speedup.png"] = speedup_chart(rows, title)
+    if out.get("decode"):
+        figures["decode_settings.png"] = decode_chart(out["decode"], out["bandwidth"], title)
+    paths = []
+    for name, fig in figures.items():
+        FigureCanvasAgg(fig).print_png(directory / name, metadata={"Software": "hf_tfm scripts/bench.py"})
+        paths.append(directory / name)
+    return paths
+
+
+def run_title(out: dict) -> str:
+    """Where and how the run measured: size, threads, dtype, machine."""
+    args, machine = out.get("args", {}), out.get("machine", {})
+    sizes = "/".join(args.get("sizes") or [str(args.get("size"))])
+    n = machine.get("torch_threads", args.get("threads"))
+    threads = "GPU" if machine.get("device") == "cuda" else f"{n} thread{'' if n == 1 else 's'}"
+    where = machine.get("gpu") or machine.get("cpu") or machine.get("processor", "?")
+    return f"size {sizes}, {threads}, {args.get('dtype')}, {where}, torch {machine.get('torch')}"
+
+
+def new_figure(height_in: float):
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(CHART_WIDTH_IN, height_in), dpi=CHART_DPI, layout="constrained")
+
+
+def speedup_chart(rows: list[dict], title: str):
+    """Horizontal bars of in-tree time / hf_tfm time, one group per pair (and size), one bar per task, a line at 1.0
+    (equal time) and the values in a column at the right."""
+    import matplotlib
+
+    several_sizes = len({r["size"] for r in rows}) > 1
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(f"{r['size']} {r['pair']}" if several_sizes else r["pair"], []).append(r)
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    colours = dict(zip(tasks, matplotlib.colormaps["tab10" if len(tasks) <= 10 else "tab20"].colors, strict=False))
+    slots = len(rows) + len(groups)  # a heading slot above each group's bars
+    fig = new_figure(1.4 + 0.3 * slots)
+    ax = fig.subplots()
+    y, ticks, labels = 0, [], []
+    top = max(max(r["speedup"] for r in rows), 1.0) * 1.2  # room for the column of values
+    for name, members in groups.items():
+        heading = f"{name} ({members[0]['theirs_name']})"
+        over_line = {"facecolor": "white", "edgecolor": "none", "pad": 1}  # hides the line at 1.0 behind it
+        ax.text(0.005, y, heading, transform=ax.get_yaxis_transform(), va="center", fontweight="bold", bbox=over_line)
+        for r in members:
+            y += 1
+            ax.barh(y, r["speedup"], height=0.75, color=colours[r["task"]])
+            ax.text(0.995, y, f"{r['speedup']:.2f}x", transform=ax.get_yaxis_transform(), va="center", ha="right")
+            ticks.append(y)
+            labels.append(r["task"])
+        y += 1
+        if y < slots:
+            ax.axhline(y - 0.5, color="0.85", linewidth=0.8)
+    ax.axvline(1.0, color="0.2", linestyle="--", linewidth=1)
+    ax.set_yticks(ticks, labels)
+    ax.set_ylim(slots - 0.5, -0.6)
+    ax.set_xlim(0, top)
+    ax.set_xlabel("in-tree time / hf_tfm time (> 1: hf_tfm faster; dashed: equal time)")
+    fig.suptitle(f"hf_tfm speedup over the in-tree transformers model (medians)\n{title}", fontsize=11)
+    ax.spines[["top", "right"]].set_visible(False)
+    return fig
+
+
+def decode_chart(rows: list[dict], bandwidth: dict, title: str):
+    """Per weight setting: ms per decode step and the fraction of the streaming bandwidth, hf_tfm and in-tree, per
+    batch size; a setting that failed here is named with its error."""
+    import matplotlib
+
+    step_keys = {k for r in rows if "error" not in r for k in r["ours"] if k.endswith("_step_s")}  # b1_step_s, ...
+    batches = sorted(int(k.removeprefix("b").removesuffix("_step_s")) for k in step_keys)
+    series = [(side, batch) for batch in batches for side in SIDES]
+    colours = matplotlib.colormaps["tab20"].colors  # dark/light pairs: hf_tfm/in-tree, one hue per batch
+    height = 0.8 / max(len(series), 1)
+    fig = new_figure(1.8 + 0.45 * len(rows))
+    ax_ms, ax_bw = fig.subplots(1, 2, sharey=True)
+    ms_values = []
+    for k, (side, batch) in enumerate(series):
+        offset = (k - (len(series) - 1) / 2) * height
+        ok = [(i + offset, r[side]) for i, r in enumerate(rows) if "error" not in r]
+        style = {"height": height, "color": colours[k], "label": f"{SIDES[side]} B={batch}"}
+        ms = [d[f"b{batch}_step_s"] * 1e3 for _, d in ok]
+        ms_values += ms
+        ax_ms.barh([y for y, _ in ok], ms, **style)
+        ax_bw.barh([y for y, _ in ok], [d[f"b{batch}_bandwidth_frac"] for _, d in ok], **style)
+    for i, r in enumerate(rows):
+        if "error" in r:
+            why = f"fails here: {r['error'].split(':')[0]} (see the table)"
+            ax_ms.text(0.01, i, why, transform=ax_ms.get_yaxis_transform(), va="center", color="0.4")
+    if ms_values and max(ms_values) > 20 * min(ms_values):
+        ax_ms.set_xscale("log")
+    ax_bw.axvline(1.0, color="0.2", linestyle="--", linewidth=1)
+    ax_ms.set_yticks(range(len(rows)), [r["setting"] for r in rows])
+    ax_ms.set_ylim(len(rows) - 0.5, -0.5)
+    ax_ms.set_xlabel("ms per decode step (lower is faster)")
+    ax_bw.set_xlabel("bytes per step / step time / bandwidth")
+    ax_ms.set_title("one new token per sequence", fontsize=10)
+    ax_bw.set_title(f"fraction of {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s streaming (dashed)", fontsize=10)
+    for ax in (ax_ms, ax_bw):
+        ax.spines[["top", "right"]].set_visible(False)
+        ax.grid(axis="x", color="0.9")
+        ax.set_axisbelow(True)
+    if series:
+        fig.legend(*ax_ms.get_legend_handles_labels(), loc="outside lower center", ncols=len(series))
+    fig.suptitle(f"Decoding under each weight setting, hf_tfm and in-tree Llama\n{title}", fontsize=11)
+    return fig
 
 
 if __name__ == "__main__":

@@ -51,23 +51,28 @@ def transformers_verbosity():
     hf_logging.set_verbosity(level)
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
 
 
-def readme_blocks(section: str, language: str = "python") -> list[str]:
-    """The fenced code blocks of one language in the README section between `<!-- section: NAME` and its end marker."""
-    text = README.read_text().split(f"<!-- section: {section}")[1].split(f"<!-- end section: {section}")[0]
-    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.DOTALL)
+def doc_page(page: str) -> Path:
+    """A documentation page by name: `docs/NAME.md`, or the README for "README"."""
+    return ROOT / "README.md" if page == "README" else DOCS / f"{page}.md"
 
 
-def run_readme_blocks(section: str, count: int, directory: Path, monkeypatch) -> dict:
-    """Run a README section's `count` Python blocks as written, in one namespace, from a scratch `directory`."""
-    blocks = readme_blocks(section)
-    assert len(blocks) == count
+def doc_blocks(page: str, language: str = "python") -> list[str]:
+    """The fenced code blocks of one language on a documentation page, in order."""
+    return re.findall(rf"^```{language}\n(.*?)^```", doc_page(page).read_text(), flags=re.DOTALL | re.MULTILINE)
+
+
+def run_doc_blocks(page: str, count: int, directory: Path, monkeypatch) -> dict:
+    """Run a page's `count` Python blocks as written, in one namespace, from a scratch `directory`."""
+    blocks = doc_blocks(page)
+    assert len(blocks) == count, f"{page}: {len(blocks)} Python blocks, the test expects {count}"
     monkeypatch.chdir(directory)
     namespace: dict = {}
     for block in blocks:
-        exec(compile(block, str(README), "exec"), namespace)
+        exec(compile(block, str(doc_page(page)), "exec"), namespace)
     return namespace
 
 

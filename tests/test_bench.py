@@ -23,6 +23,17 @@ def load_bench():
     return module
 
 
+def assert_charts(paths: list[Path]) -> None:
+    """Each is a non-empty PNG that matplotlib reads back, wide enough to read at 900 px."""
+    from matplotlib.image import imread
+
+    for path in paths:
+        data = path.read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000, path
+        height, width, _ = imread(path).shape
+        assert height > 0 and width >= 900, (path, height, width)
+
+
 def test_bench_tiny_end_to_end(tmp_path):
     bench = load_bench()
     threads = torch.get_num_threads()
@@ -57,6 +68,14 @@ def test_bench_tiny_end_to_end(tmp_path):
     assert [set(e["medians_ms"]) for e in kernels] == [set(k) for k in bench.KERNELS_BY_TASK.values()]
     assert out["machine"]["torch"] == torch.__version__
 
+    # `--charts`: the run's speedup chart, and the same from the saved JSON without running anything
+    charts = bench.write_charts(out, tmp_path / "charts")
+    assert [path.name for path in charts] == ["speedup.png"]
+    assert_charts(charts)
+    again = bench.main(["--charts", str(tmp_path / "again"), "--from-json", str(out_path)])
+    assert again == out
+    assert_charts([tmp_path / "again" / "speedup.png"])
+
 
 def test_bench_decode_settings_tiny(tmp_path):
     """`--decode-settings`: every weight setting on both sides, bytes per step, bandwidth fractions, and the failures
@@ -66,11 +85,14 @@ def test_bench_decode_settings_tiny(tmp_path):
     out_path = tmp_path / "decode.json"
     try:
         args = ["--size", "tiny", "--rounds", "1", "--threads", "1", "--decode-settings", "all"]
-        bench.main([*args, "--json", str(out_path)])
+        bench.main([*args, "--json", str(out_path), "--charts", str(tmp_path / "charts")])
     finally:
         torch.set_num_threads(threads)
     out = json.loads(out_path.read_text())
     assert out["bandwidth"]["bytes_per_s"] > 0
+    # a decode-settings run has no pair results: its one chart is the settings'
+    assert sorted(path.name for path in (tmp_path / "charts").iterdir()) == ["decode_settings.png"]
+    assert_charts([tmp_path / "charts" / "decode_settings.png"])
     rows = {r["setting"]: r for r in out["decode"]}
     assert list(rows) == list(bench.DECODE_SETTINGS)
     fp32_bytes = rows["fp32"]["ours"]["weight_bytes_per_step"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import readme_blocks, run_without_hf_tfm
+from conftest import doc_blocks, run_without_hf_tfm
 from safetensors import safe_open
 from test_training import EXPECTED_AUTO_MAP
 
@@ -108,8 +108,8 @@ def test_native_fsdp2_trains_sharded_and_saves_a_loadable_checkpoint(tmp_path, t
 
 
 def test_readme_accelerate_ddp_launch(tmp_path):
-    """The README's `accelerate launch --config_file examples/accelerate/ddp.yaml` command: real 2-process DDP."""
-    commands = [line for block in readme_blocks("training", "bash") for line in block.splitlines()]
+    """The docs' `accelerate launch --config_file examples/accelerate/ddp.yaml` command: real 2-process DDP."""
+    commands = [line for block in doc_blocks("training", "bash") for line in block.splitlines()]
     ddp = next(line for line in commands if "ddp.yaml" in line)
     argv = ddp.replace("out/ddp", str(tmp_path / "ddp")).split()
     assert argv[:2] == ["accelerate", "launch"]

@@ -16,7 +16,7 @@ from conftest import (
     build,
     enable_activation_checkpointing,
     random_ids,
-    run_readme_blocks,
+    run_doc_blocks,
     run_without_hf_tfm,
     tiny_config,
 )
@@ -673,9 +673,9 @@ def test_pretrain_the_moe_preset(tmp_path):
     assert len(model(input_ids=torch.tensor([[5, 6, 7]])).router_logits) == 4  # the preset returns them
 
 
-def test_readme_moe_blocks_run(tmp_path, monkeypatch):
-    """The README's Mixture-of-experts blocks run as written (in one namespace, in a scratch directory)."""
-    namespace = run_readme_blocks("moe", 4, tmp_path, monkeypatch)
+def test_docs_moe_blocks_run(tmp_path, monkeypatch):
+    """The docs' Mixture-of-experts blocks run as written (in one namespace, in a scratch directory)."""
+    namespace = run_doc_blocks("moe", 5, tmp_path, monkeypatch)
     train_loss = namespace["trainer"].state.log_history[-1]["train_loss"]
     assert 0 < train_loss < 5.0, train_loss  # ln(99) = 4.6 untrained, plus the aux loss (~0.002)
     assert (tmp_path / "out" / "moe-lora" / "adapter_config.json").is_file()

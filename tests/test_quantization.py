@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from conftest import random_ids, run_readme_blocks, run_without_hf_tfm
+from conftest import random_ids, run_doc_blocks, run_without_hf_tfm
 from torch import nn
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
@@ -399,14 +399,16 @@ def test_cli_refuses_an_unavailable_backend_naming_what_to_install(lm_folder, ca
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The README's "Fast inference" blocks
+# The docs' "Fast inference" blocks
 
 
-def test_readme_fast_inference_blocks(tmp_path, monkeypatch):
-    """The README's quantized-loading and QLoRA blocks run as written (one namespace, a scratch directory)."""
+def test_docs_fast_inference_blocks(tmp_path, monkeypatch):
+    """The docs' int8 lead, quantized-loading and QLoRA blocks run as written (one namespace, a scratch directory)."""
     for module in ("bitsandbytes", "torchao", "peft"):
-        pytest.importorskip(module, reason="the README's blocks use it (in the dev extra)")
-    namespace = run_readme_blocks("fast-inference", 2, tmp_path, monkeypatch)
+        pytest.importorskip(module, reason="the page's blocks use it (in the dev extra)")
+    namespace = run_doc_blocks("fast-inference", 3, tmp_path, monkeypatch)
+    assert namespace["tokens"].shape == (1, 12)
+    assert is_quantized(namespace["lm8"].model.layers[0].mlp.up_proj)
     assert namespace["out"].shape == namespace["fast"].shape == (1, 12)
     assert is_quantized(namespace["int4"].model.layers[0].mlp.up_proj)
     assert json.loads((tmp_path / "out" / "lm-int8" / "config.json").read_text())["quantization_config"]

@@ -14,7 +14,7 @@ from conftest import (
     build,
     enable_activation_checkpointing,
     random_ids,
-    run_readme_blocks,
+    run_doc_blocks,
     run_without_hf_tfm,
     tiny_config,
     tiny_seq2seq_config,
@@ -258,9 +258,9 @@ def test_remote_code_round_trip_without_hf_tfm(tmp_path):
     assert result["beams"] == model.generate(input_ids=src, max_new_tokens=5, num_beams=2, do_sample=False).tolist()
 
 
-def test_readme_seq2seq_blocks(tmp_path, monkeypatch):
-    """The README's encoder-decoder blocks run as written (in one namespace, in a scratch directory)."""
-    namespace = run_readme_blocks("seq2seq", 2, tmp_path, monkeypatch)
+def test_docs_seq2seq_blocks(tmp_path, monkeypatch):
+    """The docs' encoder-decoder blocks run as written (in one namespace, in a scratch directory)."""
+    namespace = run_doc_blocks("seq2seq", 3, tmp_path, monkeypatch)
     assert namespace["model"].config.encoder.num_hidden_layers == 3
     assert namespace["beams"].shape[0] == 4 and namespace["greedy"].shape[0] == 2
     assert torch.equal(namespace["again"], namespace["greedy"]) and torch.equal(

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import enable_activation_checkpointing, random_ids, run_readme_blocks, run_without_hf_tfm, tiny_config
+from conftest import enable_activation_checkpointing, random_ids, run_doc_blocks, run_without_hf_tfm, tiny_config
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 from hf_tfm import AUTO_CLASSES, TfmForCausalLM, TfmForMaskedLM, TfmForSequenceClassification
@@ -269,9 +269,9 @@ def test_trainer_step_with_packing_equals_padded_step(tmp_path):
     assert max_param_diff(models["packed"], models["padded"]) < 1e-6
 
 
-def test_readme_training_blocks(tmp_path, monkeypatch):
-    """The README's Trainer and LoRA blocks run as written (in one namespace, in a scratch directory)."""
-    namespace = run_readme_blocks("training", 2, tmp_path, monkeypatch)
+def test_docs_training_blocks(tmp_path, monkeypatch):
+    """The docs' Trainer and LoRA blocks run as written (in one namespace, in a scratch directory)."""
+    namespace = run_doc_blocks("training", 3, tmp_path, monkeypatch)
     final = tmp_path / "out" / "finetune" / "final"
     assert json.loads((final / "config.json").read_text())["auto_map"] == EXPECTED_AUTO_MAP
     assert (final / "modeling.py").is_file() and (tmp_path / "out" / "lora" / "adapter_config.json").is_file()

@@ -1,0 +1,608 @@
+"""GGUF for llama.cpp, written from `TfmConfig` + `state_dict` with the `gguf` package (no llama.cpp converter).
+
+A config is written as the llama.cpp architecture whose graph computes it exactly, or refused with every knob that
+keeps each architecture from it:
+
+* `llama`: RoPE (default, linear or llama3 scaling), RMSNorm, pre-norm, SwiGLU, GQA, no biases, tied or untied head.
+  llama.cpp rotates adjacent pairs, hf_tfm halves (rotate-half), so q/k rows are permuted as llama.cpp's converter
+  does (and transformers' GGUF loader undoes).
+* `qwen2`: the same block with q/k/v biases and `heads * head_dim == hidden`; RoPE in the halves layout (no permute).
+* `gpt2`: learned positions, LayerNorm, GELU MLP (tanh approximation, llama.cpp's only GELU), biases everywhere.
+  Exact through transformers' loader; llama.cpp's CPU GELU reads an fp16 table, so its own logits are near (~1e-3).
+
+The folder's byte-level BPE tokenizer goes in as llama.cpp's "gpt2" vocabulary with the GPT-2 pre-tokenizer (hf_tfm
+trains with GPT-2's regex), so llama.cpp tokenizes as hf_tfm does. `verify` loads a written file back through
+transformers' own GGUF loader (an in-tree Llama / Qwen2 / GPT-2) and compares logits and greedy tokens.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..configuration import TfmConfig, TfmSeq2SeqConfig
+from ..convert.core import export_blockers, need
+
+RUNTIME = "llama.cpp"
+ARCHITECTURES = ("llama", "qwen2", "gpt2")
+# --quantize value -> (GGMLQuantizationType name for 2-D weights, LlamaFileType name for general.file_type)
+TYPES = {
+    "f32": ("F32", "ALL_F32"),
+    "f16": ("F16", "MOSTLY_F16"),
+    "bf16": ("BF16", "MOSTLY_BF16"),
+    "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
+    "q4_0": ("Q4_0", "MOSTLY_Q4_0"),
+}
+QUANT_BLOCK = 32  # Q8_0 / Q4_0 quantize runs of 32 values along the last dimension
+# RoPE scaling types the llama.cpp graph computes as transformers does: linear is its `freq_scale`, llama3 its
+# `rope_freqs` factors. dynamic (recomputed per length) and longrope have no llama/qwen2 form; yarn is not checked.
+ROPE_TYPES = {"llama": ("default", "linear", "llama3"), "qwen2": ("default", "linear")}
+GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # ggml's GELU is the tanh approximation
+INSTALL_HINT = 'GGUF export needs the `gguf` package: pip install gguf (or pip install "hf-tfm[export]")'
+
+
+def _import_gguf():
+    try:
+        import gguf
+    except ImportError as err:
+        raise ImportError(INSTALL_HINT) from err
+    return gguf
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Which architecture, or why none
+
+
+def _common_blockers(config: TfmConfig, arch: str, out: list[str]) -> None:
+    """What none of the three llama.cpp graphs computes."""
+    family = f"{RUNTIME} {arch}"
+    need(config, out, family, "is_causal", True, "True (a decoder)")
+    need(config, out, family, "add_cross_attention", False)
+    need(config, out, family, "num_experts", None, "None (no mixture-of-experts layers)")
+    need(config, out, family, "norm_position", "pre")
+    need(config, out, family, "final_norm", True)
+    need(config, out, family, "first_layer_attn_norm", True)
+    need(config, out, family, "embedding_norm", False)
+    need(config, out, family, "parallel_residual", False)
+    need(config, out, family, "qk_norm", False)
+    need(config, out, family, "type_vocab_size", 0)
+    need(config, out, family, "embedding_scale", 1.0, "1.0 (it scales no embeddings)")
+    need(config, out, family, "lm_head_bias", False)
+    sliding = "only 'full_attention' (its graph has no sliding window)"
+    need(config, out, family, "layer_types", lambda v: set(v) == {"full_attention"}, sliding)
+
+
+def _rope_blockers(config: TfmConfig, arch: str, out: list[str]) -> None:
+    family = f"{RUNTIME} {arch}"
+    need(config, out, family, "position_embedding_type", "rope")
+    if config.position_embedding_type != "rope":
+        return
+    need(config, out, family, "rope_parameters", lambda v: not config.rope_per_layer_type, "one flat RoPE dict")
+    if config.rope_per_layer_type:
+        return
+    params = config.rope_parameters
+    kinds = ROPE_TYPES[arch]
+    need(config, out, family, "rope_parameters", lambda v: v["rope_type"] in kinds, f"rope_type in {list(kinds)}")
+    partial = params.get("partial_rotary_factor", 1.0)
+    need(config, out, family, "rope_parameters", lambda v: partial == 1.0, "RoPE on every dimension")
+
+
+def _llama_blockers(config: TfmConfig, arch: str) -> list[str]:
+    out: list[str] = []
+    family = f"{RUNTIME} {arch}"
+    _common_blockers(config, arch, out)
+    _rope_blockers(config, arch, out)
+    need(config, out, family, "norm_type", "rmsnorm")
+    need(config, out, family, "ffn_type", "glu")
+    need(config, out, family, "hidden_act", "silu")
+    need(config, out, family, "mlp_bias", False)
+    need(config, out, family, "attention_out_bias", False)
+    if arch == "llama":
+        need(config, out, family, "attention_bias", False)
+    else:
+        need(config, out, family, "attention_bias", True, "True (q/k/v biases)")
+        need(config, out, family, "head_dim", config.hidden_size // config.num_attention_heads, "hidden/heads")
+    return out
+
+
+def _gpt2_blockers(config: TfmConfig) -> list[str]:
+    out: list[str] = []
+    family = f"{RUNTIME} gpt2"
+    _common_blockers(config, "gpt2", out)
+    need(config, out, family, "position_embedding_type", "learned")
+    need(config, out, family, "position_offset", 0)
+    need(config, out, family, "norm_type", "layernorm")
+    need(config, out, family, "norm_bias", True)
+    need(config, out, family, "ffn_type", "mlp")
+    need(config, out, family, "hidden_act", lambda v: v in GELU_TANH, f"a tanh GELU, one of {list(GELU_TANH)}")
+    need(config, out, family, "mlp_bias", True)
+    need(config, out, family, "attention_bias", True)
+    need(config, out, family, "attention_out_bias", True)
+    need(config, out, family, "num_key_value_heads", config.num_attention_heads, "`num_attention_heads` (no GQA)")
+    need(config, out, family, "head_dim", config.hidden_size // config.num_attention_heads, "hidden/heads")
+    return out
+
+
+def gguf_architecture_blockers(config: TfmConfig | TfmSeq2SeqConfig) -> dict[str, list[str]]:
+    """For each llama.cpp architecture hf_tfm writes, the knobs that keep `config` from it (empty: it takes it)."""
+    if isinstance(config, TfmSeq2SeqConfig):
+        why = "an encoder-decoder (TfmSeq2SeqConfig): llama.cpp's decoder architectures have no cross-attention"
+        return {arch: [why] for arch in ARCHITECTURES}
+    return {
+        "llama": _llama_blockers(config, "llama"),
+        "qwen2": _llama_blockers(config, "qwen2"),
+        "gpt2": _gpt2_blockers(config),
+    }
+
+
+def gguf_blockers(config: TfmConfig | TfmSeq2SeqConfig) -> list[str]:
+    """Empty when some llama.cpp architecture computes `config` exactly; else every knob that blocks each one (each
+    message names the architecture)."""
+    found = gguf_architecture_blockers(config)
+    if any(not blockers for blockers in found.values()):
+        return []
+    return [message for blockers in found.values() for message in blockers]
+
+
+def gguf_architecture(config: TfmConfig | TfmSeq2SeqConfig) -> str:
+    """The llama.cpp architecture `config` is written as, or a `ValueError` naming every blocking knob, the runtime,
+    and the routes that do take the config."""
+    found = gguf_architecture_blockers(config)
+    arch = next((arch for arch, blockers in found.items() if not blockers), None)
+    if arch is not None:
+        return arch
+    ranked = sorted(found.items(), key=lambda item: len(item[1]))
+    closest, blockers = ranked[0]
+    others = "; ".join(f"{name}: {'; '.join(b)}" for name, b in ranked[1:])
+    raise ValueError(
+        f"No {RUNTIME} (GGUF) architecture computes this hf_tfm config exactly. Closest: {closest}, blocked by: "
+        f"{'; '.join(blockers)}. Also blocked: {others}. {_other_routes(config)}"
+    )
+
+
+def _other_routes(config: TfmConfig | TfmSeq2SeqConfig) -> str:
+    try:
+        families = [name for name, found in export_blockers(config, _head(config)).items() if not found]
+    except Exception:  # the converter's contract: a config it cannot judge has no route to report
+        families = []
+    if families:
+        return (
+            f"Exact routes that take it: `hf_tfm.to_hf` / `hf-tfm convert` to in-tree {families[0]} (then that "
+            "family's own tools), or ONNX / ExecuTorch through transformers.exporters (they trace hf_tfm's code)."
+        )
+    return (
+        "No in-tree family takes it either (`hf-tfm convert` refuses it); ONNX / ExecuTorch through "
+        "transformers.exporters trace hf_tfm's own code."
+    )
+
+
+def _head(config: TfmConfig | TfmSeq2SeqConfig) -> str:
+    if isinstance(config, TfmSeq2SeqConfig):
+        return "seq2seq_lm"
+    return "causal_lm" if config.is_causal else "base"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tensors
+
+
+def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rotate-half rows (pairs i, i + d/2) -> llama.cpp's adjacent pairs (2i, 2i + 1), per head, as its converter."""
+    per_head = weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])  # (H, 2, D/2, ...)
+    return per_head.swapaxes(1, 2).reshape(weight.shape)
+
+
+def _llama3_rope_factors(config: TfmConfig, inv_freq: torch.Tensor) -> torch.Tensor:
+    """llama.cpp divides each default frequency by `rope_freqs`: the default over the llama3-scaled frequencies."""
+    dim = config.head_dim
+    default = 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    return default / inv_freq.float()
+
+
+def _tensors(model: torch.nn.Module, arch: str) -> dict[str, torch.Tensor]:
+    """GGUF tensor name -> tensor in PyTorch's (out, in) layout (the writer reverses the dims)."""
+    config: TfmConfig = model.config
+    state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    out = {"token_embd.weight": state["model.embed_tokens.weight"], "output_norm.weight": state["model.norm.weight"]}
+    if arch == "gpt2":
+        out["position_embd.weight"] = state["model.embed_positions.weight"]
+        out["output_norm.bias"] = state["model.norm.bias"]
+    if not config.tie_word_embeddings:  # tied: llama.cpp and transformers' loader fall back to token_embd
+        out["output.weight"] = state["lm_head.weight"]
+    if arch == "llama" and config.rope_parameters["rope_type"] == "llama3":
+        out["rope_freqs.weight"] = _llama3_rope_factors(config, model.model.rotary_emb.inv_freq)
+    for i in range(config.num_hidden_layers):
+        layer, blk = f"model.layers.{i}.", f"blk.{i}."
+        q, k = state[layer + "self_attn.q_proj.weight"], state[layer + "self_attn.k_proj.weight"]
+        v = state[layer + "self_attn.v_proj.weight"]
+        if arch == "llama":
+            q, k = _permute(q, config.num_attention_heads), _permute(k, config.num_key_value_heads)
+        if arch == "gpt2":  # one fused q/k/v projection
+            out[blk + "attn_qkv.weight"] = torch.cat([q, k, v])
+            out[blk + "attn_qkv.bias"] = torch.cat([state[f"{layer}self_attn.{n}_proj.bias"] for n in "qkv"])
+        else:
+            out.update({blk + "attn_q.weight": q, blk + "attn_k.weight": k, blk + "attn_v.weight": v})
+        if arch == "qwen2":
+            for name in "qkv":
+                out[f"{blk}attn_{name}.bias"] = state[f"{layer}self_attn.{name}_proj.bias"]
+        out[blk + "attn_output.weight"] = state[layer + "self_attn.o_proj.weight"]
+        out[blk + "attn_norm.weight"] = state[layer + "attn_norm.weight"]
+        out[blk + "ffn_norm.weight"] = state[layer + "mlp_norm.weight"]
+        if arch != "gpt2":
+            out[blk + "ffn_gate.weight"] = state[layer + "mlp.gate_proj.weight"]
+        out[blk + "ffn_up.weight"] = state[layer + "mlp.up_proj.weight"]
+        out[blk + "ffn_down.weight"] = state[layer + "mlp.down_proj.weight"]
+        if arch == "gpt2":
+            for ours, theirs in (
+                ("self_attn.o_proj", "attn_output"),
+                ("attn_norm", "attn_norm"),
+                ("mlp_norm", "ffn_norm"),
+                ("mlp.up_proj", "ffn_up"),
+                ("mlp.down_proj", "ffn_down"),
+            ):
+                out[f"{blk}{theirs}.bias"] = state[f"{layer}{ours}.bias"]
+    return out
+
+
+def _add_tensor(writer, gguf, name: str, tensor: torch.Tensor, qtype: str) -> None:
+    """2-D weights in the requested type (F16 where a row does not split into 32-value blocks, as llama.cpp's
+    converter falls back); 1-D tensors (norms, biases, RoPE factors) in F32."""
+    data = tensor.numpy().astype("float32")
+    kind = gguf.GGMLQuantizationType[qtype] if data.ndim == 2 else gguf.GGMLQuantizationType.F32
+    if kind in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0) and data.shape[-1] % QUANT_BLOCK:
+        kind = gguf.GGMLQuantizationType.F16
+    if kind == gguf.GGMLQuantizationType.F32:
+        writer.add_tensor(name, data)
+    elif kind == gguf.GGMLQuantizationType.F16:
+        writer.add_tensor(name, data.astype("float16"))
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def _tokenizer_metadata(text: str, where: str, config: TfmConfig) -> dict[str, Any]:
+    """A tokenizer.json (byte-level BPE) as llama.cpp's "gpt2" vocabulary, padded to `vocab_size` with unused
+    tokens."""
+    from tokenizers import Tokenizer
+
+    spec = json.loads(text)
+    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+    pres = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    byte_level = [p for p in pres if p.get("type") == "ByteLevel"]
+    if (
+        model.get("type") != "BPE"
+        or len(pres) != 1
+        or not byte_level
+        or byte_level[0].get("add_prefix_space")
+        or not byte_level[0].get("use_regex", True)
+        or spec.get("normalizer")
+    ):
+        raise ValueError(
+            f"{where}: not a byte-level BPE tokenizer with GPT-2's pre-tokenizer (what hf_tfm trains); "
+            f"{RUNTIME}'s 'gpt2' vocabulary would tokenize text differently."
+        )
+    vocab: dict[str, int] = dict(model["vocab"])
+    added = {t["content"]: t for t in spec.get("added_tokens", [])}
+    vocab.update({content: token["id"] for content, token in added.items()})
+    if max(vocab.values()) >= config.vocab_size:
+        raise ValueError(
+            f"{where}: token id {max(vocab.values())} is outside the model's vocab_size {config.vocab_size}."
+        )
+    tokens = [f"[PAD{i}]" for i in range(config.vocab_size)]
+    types = [5] * config.vocab_size  # gguf.TokenType: 1 normal, 3 control, 4 user-defined, 5 unused
+    for token, token_id in vocab.items():
+        tokens[token_id] = token
+        types[token_id] = (3 if added[token].get("special") else 4) if token in added else 1
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    encoded = Tokenizer.from_str(text).encode("a", add_special_tokens=True).ids
+    eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
+    unk = vocab.get(model.get("unk_token") or "")
+    return {
+        "tokens": tokens,
+        "types": types,
+        "merges": merges,
+        "bos": config.bos_token_id,
+        "eos": eos,
+        "pad": config.pad_token_id,
+        "unk": unk,
+        "add_bos": bool(encoded) and encoded[0] == config.bos_token_id,
+        "add_eos": bool(encoded) and encoded[-1] == eos,
+    }
+
+
+def _tokenizer_json(source: Any, tokenizer: Any) -> tuple[str, str]:
+    """The tokenizer.json text to embed, and where it came from."""
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):  # a fast tokenizer object
+        return tokenizer.backend_tokenizer.to_str(), type(tokenizer).__name__
+    candidates = [tokenizer] if tokenizer is not None else [source]
+    for candidate in candidates:
+        path = Path(candidate) if candidate else None
+        if path is not None and path.is_dir():
+            path = path / "tokenizer.json"
+        if path is not None and path.is_file():
+            return path.read_text(encoding="utf-8"), str(path)
+    raise ValueError(
+        "GGUF embeds the tokenizer: no tokenizer.json found"
+        + (f" in {source}" if source else "")
+        + "; pass `tokenizer=` (a tokenizer, its folder or its tokenizer.json)."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Export
+
+
+def _load(model_or_folder: Any) -> tuple[torch.nn.Module, str | None]:
+    from ..modeling import TfmForCausalLM
+
+    if isinstance(model_or_folder, (str, os.PathLike)):
+        folder = Path(model_or_folder)
+        config = TfmConfig.from_pretrained(folder)
+        architecture = (getattr(config, "architectures", None) or ["TfmForCausalLM"])[0]
+        if architecture != "TfmForCausalLM":
+            raise ValueError(f"{folder}: GGUF export takes causal LMs (TfmForCausalLM), not {architecture}.")
+        gguf_architecture(config)  # refuse before loading any weight
+        return TfmForCausalLM.from_pretrained(folder), str(folder)
+    if not isinstance(model_or_folder, TfmForCausalLM):
+        raise ValueError(f"GGUF export takes causal LMs (TfmForCausalLM), not {type(model_or_folder).__name__}.")
+    return model_or_folder, getattr(model_or_folder, "name_or_path", None) or None
+
+
+def _write(writer, gguf, config: TfmConfig, arch: str, tensors: dict, tok: dict, qtype: str, name: str) -> None:
+    writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType[TYPES[qtype][1]])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_vocab_size(config.vocab_size)
+    if arch == "gpt2":
+        writer.add_layer_norm_eps(config.norm_eps)
+    else:
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        writer.add_rope_dimension_count(config.head_dim)
+        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+        writer.add_layer_norm_rms_eps(config.norm_eps)
+        if config.rope_parameters["rope_type"] == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(config.rope_parameters["factor"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")  # llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT2: GPT-2's regex, as hf_tfm trains
+    writer.add_token_list(tok["tokens"])
+    writer.add_token_types(tok["types"])
+    writer.add_token_merges(tok["merges"])
+    for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id)):
+        if tok[key] is not None:
+            add(tok[key])
+    if tok["pad"] is not None:
+        writer.add_pad_token_id(tok["pad"])
+    if tok["unk"] is not None:
+        writer.add_unk_token_id(tok["unk"])
+    writer.add_add_bos_token(tok["add_bos"])
+    writer.add_add_eos_token(tok["add_eos"])
+    for tensor_name, tensor in tensors.items():
+        _add_tensor(writer, gguf, tensor_name, tensor, TYPES[qtype][0])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def export_gguf(
+    model_or_folder: Any, out: str | os.PathLike, quantize: str | None = None, tokenizer: Any = None
+) -> Path:
+    """Write an hf_tfm causal LM (model or saved folder) as one GGUF file; see `hf_tfm.exporters.export`."""
+    qtype = quantize or "f32"
+    if qtype not in TYPES:
+        raise ValueError(f"quantize={quantize!r}: GGUF types written here are {list(TYPES)}.")
+    gguf = _import_gguf()
+    model, source = _load(model_or_folder)
+    config = model.config
+    arch = gguf_architecture(config)
+    tok = _tokenizer_metadata(*_tokenizer_json(source, tokenizer), config)
+    out = Path(out)
+    if out.is_dir():
+        out = out / f"model-{qtype}.gguf"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    name = Path(source).name if source else "hf_tfm"
+    with torch.no_grad():
+        tensors = _tensors(model, arch)
+    # Written beside the output and renamed at the end: a failed export leaves no file, an old one stays whole.
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    writer = gguf.GGUFWriter(tmp, arch)
+    try:
+        _write(writer, gguf, config, arch, tensors, tok, qtype, name)
+        os.replace(tmp, out)
+    except BaseException:
+        writer.close()
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Verification through transformers' GGUF loader
+
+# Runs on the GGUF side, in a fresh interpreter that imports no hf_tfm (or in-process, for tests): the in-tree model
+# transformers builds from the file alone, its greedy tokens, and its logits on the reference sequences.
+_GGUF_SIDE = r"""
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def run(args):
+    path = args["path"]
+    folder, name = path.rsplit("/", 1) if "/" in path else (".", path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, **args["overrides"])
+    model.eval()
+    result = {"class": type(model).__name__, "tokens": [], "logits": []}
+    with torch.no_grad():
+        for prompt, reference in zip(args["prompts"], args["references"]):
+            ids = torch.tensor([prompt])
+            n = args["max_new_tokens"]
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                pad_token_id=args["pad_token_id"],
+            )
+            result["tokens"].append(out[0, len(prompt):].tolist())
+            result["logits"].append(model(torch.tensor([reference])).logits[0])
+    return result
+"""
+
+
+def _gguf_side(args: dict, fresh_process: bool) -> dict:
+    if not fresh_process:
+        namespace: dict = {}
+        exec(_GGUF_SIDE, namespace)
+        return namespace["run"](args)
+    with tempfile.TemporaryDirectory(prefix="hf_tfm_gguf_verify_") as tmp:
+        result_file = Path(tmp) / "result.pt"
+        code = (
+            f"{_GGUF_SIDE}\nimport json, sys\nargs = json.loads(sys.stdin.read())\n"
+            f"torch.save(run(args), {str(result_file)!r})\n"
+        )
+        env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}  # a local file: no Hub
+        done = subprocess.run(
+            [sys.executable, "-c", code], input=json.dumps(args), capture_output=True, text=True, env=env, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"transformers' GGUF loader failed on {args['path']}: {done.stderr.strip()[-2000:]}")
+        return torch.load(result_file)
+
+
+def verify(
+    gguf_file: str | os.PathLike,
+    model_or_folder: Any,
+    prompts: list[list[int]] | list[str] | None = None,
+    max_new_tokens: int = 32,
+    fresh_process: bool = True,
+) -> dict[str, Any]:
+    """Load `gguf_file` through transformers' own GGUF loader (in a fresh process unless `fresh_process=False`) and
+    compare it with the hf_tfm model it came from: greedy tokens (`max_new_tokens` per prompt, EOS suppressed on both
+    sides) and the logits on hf_tfm's greedy sequences.
+
+    `prompts` are token ids, or texts for the folder's tokenizer; None: two texts of different lengths. Returns
+    `tokens_equal`, `agreement` (the share of generated positions with equal tokens), `max_logit_diff`, the in-tree
+    `class` and the file's `architecture` and `file_type`.
+    """
+    gguf = _import_gguf()
+    gguf_file = Path(gguf_file).resolve()
+    model, source = _load(model_or_folder)
+    config = model.config
+    if prompts is None or (prompts and isinstance(prompts[0], str)):
+        from transformers import AutoTokenizer
+
+        if source is None:
+            raise ValueError("text prompts need the model's folder (its tokenizer): pass token ids.")
+        texts = prompts or ["def main():\n    ", 'import os\nimport sys\n\n\nclass Config:\n    """Return the']
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        prompts = [tokenizer(text)["input_ids"] for text in texts]
+    reader = gguf.GGUFReader(gguf_file)
+    arch = _arch_of(reader)
+    file_type = int(reader.fields["general.file_type"].parts[-1][0])
+    overrides = _loader_overrides(reader, config, model)
+    references = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                pad_token_id=config.pad_token_id,
+            )
+            references.append(out[0].tolist())
+        ours = [model(torch.tensor([ref])).logits[0].float() for ref in references]
+    args = {
+        "path": str(gguf_file),
+        "prompts": [list(map(int, p)) for p in prompts],
+        "references": references,
+        "max_new_tokens": max_new_tokens,
+        "pad_token_id": config.pad_token_id,
+        "overrides": overrides,
+    }
+    theirs = _gguf_side(args, fresh_process)
+    ref_tokens = [ref[len(p) :] for ref, p in zip(references, prompts, strict=True)]
+    equal = sum(a == b for r, t in zip(ref_tokens, theirs["tokens"], strict=True) for a, b in zip(r, t, strict=True))
+    total = sum(len(r) for r in ref_tokens)
+    diff = max(float((a - b).abs().max()) for a, b in zip(ours, theirs["logits"], strict=True))
+    return {
+        "architecture": arch,
+        "file_type": gguf.LlamaFileType(file_type).name,
+        "class": theirs["class"],
+        "tokens_equal": ref_tokens == theirs["tokens"],
+        "agreement": equal / total if total else 1.0,
+        "max_logit_diff": diff,
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+    }
+
+
+def _number(reader, key: str) -> float | None:
+    field = reader.fields.get(key)
+    return field.parts[-1][0].item() if field is not None else None
+
+
+def _string(reader, key: str) -> str | None:
+    field = reader.fields.get(key)
+    return bytes(field.parts[-1]).decode() if field is not None else None
+
+
+def _loader_overrides(reader, config: TfmConfig, model: torch.nn.Module) -> dict[str, Any]:
+    """Config values transformers' GGUF loader does not read from the file (llama.cpp does): given to it from the
+    file's own keys, or for llama3 RoPE checked here (`rope_freqs` against the model's frequencies) and passed on."""
+    arch = _arch_of(reader)
+    if arch == "gpt2":  # it builds GPT-2 with 1024 positions and a 4 * hidden MLP
+        return {
+            "n_positions": _number(reader, "gpt2.context_length"),
+            "n_inner": _number(reader, "gpt2.feed_forward_length"),
+        }
+    theta = _number(reader, f"{arch}.rope.freq_base")
+    if _string(reader, f"{arch}.rope.scaling.type") == "linear":
+        return {
+            "rope_parameters": {
+                "rope_type": "linear",
+                "factor": _number(reader, f"{arch}.rope.scaling.factor"),
+                "rope_theta": theta,
+            }
+        }
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if tensor is None:
+        return {}
+    if config.rope_parameters["rope_type"] != "llama3":
+        raise ValueError("the GGUF has rope_freqs, the model has no llama3 RoPE scaling.")
+    expected = _llama3_rope_factors(config, model.model.rotary_emb.inv_freq)
+    if not torch.allclose(torch.from_numpy(tensor.data.copy()).float(), expected, rtol=1e-6):
+        raise ValueError("the GGUF's rope_freqs differ from the model's llama3 RoPE frequencies.")
+    return {"rope_parameters": dict(config.rope_parameters)}
+
+
+def _arch_of(reader) -> str:
+    """`general.architecture` of an open `gguf.GGUFReader`."""
+    return _string(reader, "general.architecture")
+
+
+__all__ = [
+    "ARCHITECTURES",
+    "TYPES",
+    "export_gguf",
+    "gguf_architecture",
+    "gguf_architecture_blockers",
+    "gguf_blockers",
+    "verify",
+]

@@ -1,0 +1,293 @@
+"""GGUF export (hf_tfm.export): files written from TfmConfig + state_dict, read back by transformers' own GGUF loader.
+
+The oracle is the in-tree Llama / Qwen2 / GPT-2 model transformers builds from the file alone: f32 files give its
+logits within 1e-4 of hf_tfm's and the same greedy tokens. The models are tiny but trained on a repeated token cycle,
+so each greedy step has a clear winner (no near-ties that float noise could flip).
+"""
+
+import json
+import sys
+
+import pytest
+import torch
+from conftest import tiny_config
+
+import hf_tfm
+from hf_tfm import TfmForCausalLM
+from hf_tfm.cli import main
+from hf_tfm.exporters import export, gguf_architecture, gguf_blockers, verify
+from hf_tfm.exporters import gguf as gguf_export
+from hf_tfm.tokenization import train_bpe_tokenizer
+
+gguf = pytest.importorskip("gguf")
+
+VOCAB = 320  # more rows than the trained tokenizer has tokens: the GGUF vocabulary is padded with unused tokens
+SIZES = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,  # multiples of 32: every 2-D weight splits into Q8_0 / Q4_0 blocks
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 128,
+    "initializer_range": 0.02,
+}
+CYCLE = [5 + (7 * i) % 60 for i in range(60)]  # a fixed 60-token cycle: token t is always followed by the same one
+PROMPTS = [[1, *CYCLE[3:9]], [1, *CYCLE[20:45]]]  # <s> + 6 tokens, <s> + 25 tokens
+NEW_TOKENS = 32
+
+LLAMA = {}
+LLAMA_GQA_UNTIED = {"num_key_value_heads": 2, "tie_word_embeddings": False}
+LLAMA_GQA_TIED = {"num_key_value_heads": 2}
+LLAMA_MHA_UNTIED = {"tie_word_embeddings": False}
+QWEN2 = {"num_key_value_heads": 2, "attention_bias": True, "attention_out_bias": False}
+GPT2 = {
+    "position_embedding_type": "learned",
+    "norm_type": "layernorm",
+    "norm_eps": 1e-5,
+    "ffn_type": "mlp",
+    "hidden_act": "gelu_new",
+    "attention_bias": True,
+    "mlp_bias": True,
+}
+LINEAR_ROPE = {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}
+LLAMA3_ROPE = {
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "rope_theta": 10000.0,
+    }
+}
+
+
+def config_of(**overrides):
+    return tiny_config(**{**SIZES, **overrides})
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    texts = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(200)]
+    return train_bpe_tokenizer(texts, vocab_size=300)
+
+
+_TRAINED: dict = {}
+
+
+def trained(overrides: dict) -> TfmForCausalLM:
+    """A tiny model trained 60 steps on the token cycle (cached per config)."""
+    key = json.dumps(overrides, sort_keys=True)
+    if key not in _TRAINED:
+        torch.manual_seed(0)
+        model = TfmForCausalLM(config_of(**overrides))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        starts = torch.randint(0, len(CYCLE), (60, 16))
+        stream = torch.tensor(CYCLE * 3)
+        for step_starts in starts:
+            batch = torch.stack([stream[s : s + 64] for s in step_starts.tolist()])
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        _TRAINED[key] = model.eval()
+    return _TRAINED[key]
+
+
+def saved(overrides: dict, folder, tokenizer):
+    model = trained(overrides)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("overrides", "arch", "in_tree"),
+    [
+        (LLAMA, "llama", "LlamaForCausalLM"),
+        (LLAMA_MHA_UNTIED, "llama", "LlamaForCausalLM"),
+        (LLAMA_GQA_TIED, "llama", "LlamaForCausalLM"),
+        (LLAMA_GQA_UNTIED, "llama", "LlamaForCausalLM"),
+        (QWEN2, "qwen2", "Qwen2ForCausalLM"),
+        (GPT2, "gpt2", "GPT2LMHeadModel"),
+        ({**LLAMA_GQA_TIED, **LINEAR_ROPE}, "llama", "LlamaForCausalLM"),
+        ({**LLAMA_GQA_TIED, **LLAMA3_ROPE}, "llama", "LlamaForCausalLM"),
+    ],
+    ids=["llama-mha-tied", "llama-mha-untied", "llama-gqa-tied", "llama-gqa-untied", "qwen2", "gpt2", "linear", "l3"],
+)
+def test_f32_export_is_exact_through_transformers_loader(overrides, arch, in_tree, tmp_path, tokenizer):
+    model = trained(overrides)
+    path = export(model, tmp_path / "model.gguf", tokenizer=tokenizer)
+    report = verify(path, model, prompts=PROMPTS, max_new_tokens=NEW_TOKENS, fresh_process=False)
+    print(f"{arch} {overrides}: {report}")
+    assert (report["architecture"], report["class"], report["file_type"]) == (arch, in_tree, "ALL_F32")
+    assert report["max_logit_diff"] < 1e-4
+    assert report["tokens_equal"]
+    reader = gguf.GGUFReader(path)
+    untied = not model.config.tie_word_embeddings
+    assert any(t.name == "output.weight" for t in reader.tensors) == untied
+
+
+# Max logit difference measured (2 prompts x 32 greedy tokens, logits up to ~14; transformers 5.24 and 5.16.1):
+#   llama GQA untied: f16 7.6e-3, bf16 7.6e-2, q8_0 0.21, q4_0 2.4 (llama MHA tied: 3.2e-3, 1.8e-2, 6.9e-2, 0.79;
+#   qwen2: 4.2e-3, 3.6e-2, 9.4e-2, 1.5); greedy tokens equal for every type. f32 is bit-identical (difference 0).
+TOLERANCES = {"f16": 2e-2, "bf16": 0.2, "q8_0": 0.5, "q4_0": 4.0}
+
+
+@pytest.mark.parametrize("qtype", list(TOLERANCES))
+def test_reduced_types_agree_within_tolerance(qtype, tmp_path, tokenizer):
+    model = trained(LLAMA_GQA_UNTIED)
+    path = export(model, tmp_path, quantize=qtype, tokenizer=tokenizer)
+    assert path.name == f"model-{qtype}.gguf"
+    report = verify(path, model, prompts=PROMPTS, max_new_tokens=NEW_TOKENS, fresh_process=False)
+    print(f"{qtype}: max logit diff {report['max_logit_diff']:.3g}, greedy agreement {report['agreement']:.1%}")
+    assert report["file_type"] == gguf_export.TYPES[qtype][1]
+    assert report["max_logit_diff"] < TOLERANCES[qtype]
+    assert report["agreement"] >= 0.9
+    reader = gguf.GGUFReader(path)
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert kinds["blk.0.attn_q.weight"] == gguf_export.TYPES[qtype][0]
+    assert kinds["blk.0.attn_norm.weight"] == kinds["output_norm.weight"] == "F32"
+
+
+def _field(reader, key):
+    field = reader.fields[key]
+    if len(field.data) == 1 and field.types[0] != gguf.GGUFValueType.ARRAY:
+        value = field.parts[field.data[0]]
+        return bytes(value).decode() if field.types[0] == gguf.GGUFValueType.STRING else value[0].item()
+    if field.types[-1] == gguf.GGUFValueType.STRING:
+        return [bytes(field.parts[i]).decode() for i in field.data]
+    return [field.parts[i][0].item() for i in field.data]
+
+
+def test_tokenizer_metadata_round_trips(tmp_path, tokenizer):
+    folder = saved(LLAMA, tmp_path / "lm", tokenizer)
+    path = export(folder, tmp_path / "lm.gguf")
+    reader = gguf.GGUFReader(path)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    assert len(tokens) == VOCAB and len(vocab) < VOCAB
+    assert {token: i for i, token in enumerate(tokens) if i < len(vocab)} == vocab
+    assert tokens[len(vocab) :] == [f"[PAD{i}]" for i in range(len(vocab), VOCAB)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    assert _field(reader, "tokenizer.ggml.merges") == merges
+    types = _field(reader, "tokenizer.ggml.token_type")
+    assert types[:5] == [gguf.TokenType.CONTROL] * 5 and types[5] == gguf.TokenType.NORMAL
+    assert types[-1] == gguf.TokenType.UNUSED
+    assert _field(reader, "tokenizer.ggml.model") == "gpt2"
+    assert _field(reader, "tokenizer.ggml.pre") == "gpt-2"
+    ids = {
+        key: _field(reader, f"tokenizer.ggml.{key}") for key in ("bos_token_id", "eos_token_id", "padding_token_id")
+    }
+    assert ids == {"bos_token_id": 1, "eos_token_id": 2, "padding_token_id": 0}
+    assert _field(reader, "tokenizer.ggml.unknown_token_id") == 3
+    assert _field(reader, "tokenizer.ggml.add_bos_token") is True  # hf_tfm's tokenizer prepends <s>
+    assert _field(reader, "general.architecture") == "llama"
+    assert _field(reader, "llama.context_length") == SIZES["max_position_embeddings"]
+
+
+def test_rope_scaling_metadata(tmp_path, tokenizer):
+    path = export(trained({**LLAMA_GQA_TIED, **LINEAR_ROPE}), tmp_path / "linear.gguf", tokenizer=tokenizer)
+    reader = gguf.GGUFReader(path)
+    assert _field(reader, "llama.rope.scaling.type") == "linear"
+    assert _field(reader, "llama.rope.scaling.factor") == 2.0
+    model = trained({**LLAMA_GQA_TIED, **LLAMA3_ROPE})
+    reader = gguf.GGUFReader(export(model, tmp_path / "l3.gguf", tokenizer=tokenizer))
+    (freqs,) = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
+    head_dim = model.config.head_dim
+    default = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    torch.testing.assert_close(default / torch.from_numpy(freqs.data.copy()), model.model.rotary_emb.inv_freq)
+
+
+# Each refusal: the knobs (overrides of the llama config) and the words the error must hold. The control is the same
+# config without them, which exports.
+REFUSALS = [
+    ({"position_embedding_type": "alibi"}, ["`position_embedding_type`='alibi'", "transformers.exporters"]),
+    ({"norm_position": "post"}, ["`norm_position`='post'"]),
+    ({"sliding_window": 16}, ["`layer_types`", "sliding window", "to_hf", "mistral"]),
+    ({"qk_norm": True}, ["`qk_norm`=True"]),
+    ({"parallel_residual": True}, ["`parallel_residual`=True"]),
+    ({"num_experts": 4}, ["`num_experts`=4"]),
+    ({"embedding_scale": 8.0}, ["`embedding_scale`=8.0"]),
+    ({"lm_head_bias": True, "tie_word_embeddings": False}, ["`lm_head_bias`=True"]),
+    ({"hidden_act": "gelu"}, ["`hidden_act`='gelu'"]),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, ["`rope_parameters`", "rope_type in"]),
+    ({"is_causal": False}, ["`is_causal`=False"]),
+    ({"qk_norm": True, "parallel_residual": True}, ["`qk_norm`=True", "`parallel_residual`=True"]),
+]
+
+
+@pytest.mark.parametrize(("knobs", "words"), REFUSALS, ids=[",".join(k) for k, _ in REFUSALS])
+def test_refusals_name_every_knob(knobs, words):
+    assert gguf_architecture(config_of()) == "llama"  # the control: the same config without the knobs
+    config = config_of(**knobs)
+    with pytest.raises(ValueError, match=r"llama\.cpp") as err:
+        gguf_architecture(config)
+    message = str(err.value)
+    for word in words:
+        assert word in message, message
+    assert gguf_blockers(config) and not gguf_blockers(config_of())
+
+
+def test_qwen2_and_gpt2_controls():
+    assert gguf_architecture(config_of(**QWEN2)) == "qwen2"
+    assert gguf_architecture(config_of(**GPT2)) == "gpt2"
+    with pytest.raises(ValueError, match=r"`head_dim`=8 \(llama.cpp qwen2 needs hidden/heads\)"):
+        gguf_architecture(config_of(**QWEN2, head_dim=8))
+    with pytest.raises(ValueError, match=r"`num_key_value_heads`=2 \(llama.cpp gpt2"):
+        gguf_architecture(config_of(**GPT2, num_key_value_heads=2))
+
+
+def test_failed_export_leaves_no_file(tmp_path, tokenizer, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    folder = saved({"position_embedding_type": "alibi"}, tmp_path / "alibi", tokenizer)
+    with pytest.raises(ValueError, match="position_embedding_type"):
+        export(folder, out / "model.gguf")
+
+    def broken(self, *args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        export(trained(LLAMA), out / "model.gguf", tokenizer=tokenizer)
+    assert list(out.iterdir()) == []
+
+
+def test_missing_gguf_is_one_line(tmp_path, tokenizer, monkeypatch, capsys):
+    folder = saved(LLAMA, tmp_path / "lm", tokenizer)
+    capsys.readouterr()  # the save's progress bars
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    with pytest.raises(ImportError, match=r'pip install gguf \(or pip install "hf-tfm\[export\]"\)'):
+        export(folder, tmp_path / "lm.gguf")
+    assert main(["export", str(folder), str(tmp_path / "lm.gguf")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install gguf" in err
+    assert not (tmp_path / "lm.gguf").exists()
+
+
+def test_cli_export_verify_in_fresh_process(tmp_path, tokenizer, capsys):
+    folder = saved(LLAMA_GQA_UNTIED, tmp_path / "lm", tokenizer)
+    dst = tmp_path / "lm.gguf"
+    argv = ["export", str(folder), str(dst), "--verify", "--max-new-tokens", "8"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "greedy tokens equal: yes" in out and "largest logit difference" in out and "LlamaForCausalLM" in out
+    assert main(argv) == 1 and "--overwrite" in capsys.readouterr().err
+    assert main([*argv[:3], "--quantize", "q8_0", "--overwrite"]) == 0 and dst.is_file()
+
+
+def test_hf_tfm_export_is_the_function(tmp_path, tokenizer):
+    path = hf_tfm.export(trained(LLAMA), tmp_path / "a.gguf", tokenizer=tokenizer)
+    assert path.is_file() and hf_tfm.export is export
+
+
+def test_info_reports_gguf(tmp_path):
+    from hf_tfm.info import describe
+
+    for overrides, ok in ((LLAMA, True), (QWEN2, True), ({"position_embedding_type": "alibi"}, False)):
+        config_of(**overrides).save_pretrained(tmp_path)
+        ok_, why = describe(str(tmp_path))["integrations"]["export to runtimes"]["GGUF (llama.cpp)"]
+        assert ok_ is ok, why
+        assert ("architecture" in why) if ok else ("position_embedding_type" in why)
