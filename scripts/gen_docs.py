@@ -177,9 +177,51 @@ def undocumented_fields(source: str | None = None, classes: tuple[str, ...] = CL
     ]
 
 
+def render_presets() -> str:
+    """The presets section (the model zoo of `--config NAME`): each preset's shape, from `hf_tfm.presets`, and its
+    parameters counted by `hf_tfm.info.describe` (on the meta device: nothing is allocated)."""
+    sys.path.insert(0, str(ROOT))  # the checkout's hf_tfm, also when the script runs from elsewhere
+    from hf_tfm.info import describe
+    from hf_tfm.presets import PRESETS, load_config
+
+    out = [
+        "## Presets",
+        "",
+        "Named starting points for `hf-tfm pretrain/finetune --config NAME` and",
+        "`hf_tfm.presets.load_config(NAME)` (`hf_tfm/presets.py`). Their `vocab_size` is a placeholder the training",
+        "commands replace with the tokenizer's; the parameters are counted with it.",
+        "",
+        "| preset | model | layers x width, heads (kv heads) | block | parameters |",
+        "|---|---|---|---|---|",
+    ]
+    for name in PRESETS:
+        config, report = load_config(name), describe(name)
+        side = getattr(config, "encoder", config)
+        if hasattr(config, "encoder"):
+            kind, layers = "encoder-decoder", f"{side.num_hidden_layers} + {config.decoder.num_hidden_layers}"
+        else:
+            kind, layers = ("decoder" if side.is_causal else "encoder"), str(side.num_hidden_layers)
+        block = (
+            f"{side.position_embedding_type}, {side.norm_type} {side.norm_position}-norm, {side.ffn_type} "
+            f"{side.hidden_act}"
+            + (f", {side.num_experts} experts, top-{side.num_experts_per_tok}" if side.num_experts else "")
+        )
+        params = f"{report['parameters'] / 1e6:.1f} M"
+        if report["active_parameters"] != report["parameters"]:
+            params += f" ({report['active_parameters'] / 1e6:.1f} M active)"
+        shape = f"{layers} x {side.hidden_size}, {side.num_attention_heads} ({side.num_key_value_heads})"
+        out.append(f"| `{name}` | {kind} | {shape} | {block} | {params} |")
+    return "\n".join([*out, ""])
+
+
+def render_page() -> str:
+    """The whole page: the knobs (from the source) and the presets."""
+    return render(SOURCE.read_text()) + "\n" + render_presets()
+
+
 def is_current() -> bool:
     """Whether the committed page is what this script would write."""
-    return OUTPUT.is_file() and OUTPUT.read_text() == render(SOURCE.read_text())
+    return OUTPUT.is_file() and OUTPUT.read_text() == render_page()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{page} is out of date: run `python scripts/gen_docs.py`.", file=sys.stderr)
         return 1
     OUTPUT.parent.mkdir(parents=True, exist_ok=True)
-    OUTPUT.write_text(render(SOURCE.read_text()))
+    OUTPUT.write_text(render_page())
     missing = undocumented_fields()
     print(f"wrote {page}" + (f"; undocumented: {', '.join(missing)}" if missing else ""))
     return 0

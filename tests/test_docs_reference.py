@@ -107,6 +107,15 @@ def test_page_lists_every_field():
         assert f'<a id="TfmSeq2SeqConfig.{name}"></a>`{name}`' in page, name
 
 
+def test_page_lists_every_preset():
+    from hf_tfm.presets import PRESETS
+
+    page = load_gen_docs().OUTPUT.read_text()
+    assert "## Presets" in page
+    for name in PRESETS:
+        assert f"| `{name}` |" in page, name
+
+
 def test_check_fails_on_a_stale_page(tmp_path, monkeypatch, capsys):
     gen_docs = load_gen_docs()
     stale = tmp_path / "docs" / "reference" / "configuration.md"
