@@ -82,3 +82,32 @@ $(VLLM_STAMP):
 # The serving tests alone (they skip when .venv-vllm is missing; this target creates it first).
 test-serving: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/python -m pytest -m serving tests/test_serving_vllm.py $(ARGS)
+
+# llama.cpp's Python binding in an environment of its own (.venv-llama-cpp), for the opt-in runtime tests of the GGUF
+# export (tests/test_export_llama_cpp.py, `-m llama_cpp`; they skip without it, as in CI). llama-cpp-python is
+# source-only on PyPI: it is built once into a wheel kept in WHEELS (about 15 minutes on 2 cores) and installed from
+# there afterwards. Built for this CPU's vector extensions but without AMX, whose quantized path segfaulted in this VM.
+LLAMA_VENV := .venv-llama-cpp
+LLAMA_STAMP := $(LLAMA_VENV)/.installed
+LLAMA_CPP ?= llama-cpp-python==0.3.36
+WHEELS ?= $(HOME)/.cache/hf_tfm/wheels
+AVX512 := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo ON || echo OFF)
+LLAMA_CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_AVX512=$(AVX512) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+
+.PHONY: llama-cpp-env test-llama-cpp
+
+llama-cpp-env: $(LLAMA_STAMP)
+
+$(LLAMA_STAMP):
+	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/python -m pip install -q --upgrade pip
+	ls $(WHEELS)/llama_cpp_python-$(word 2,$(subst ==, ,$(LLAMA_CPP)))-*.whl >/dev/null 2>&1 || \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(LLAMA_VENV)/bin/python -m pip wheel -q --no-deps "$(LLAMA_CPP)" -w $(WHEELS)
+	$(LLAMA_VENV)/bin/python -m pip install -q --find-links $(WHEELS) "$(LLAMA_CPP)"
+	$(LLAMA_VENV)/bin/python -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
+	touch $(LLAMA_STAMP)
+
+# The llama.cpp runtime tests alone (this target builds their environment first).
+test-llama-cpp: $(STAMP) $(LLAMA_STAMP)
+	$(VENV)/bin/python -m pytest -m llama_cpp tests/test_export_llama_cpp.py $(ARGS)
