@@ -63,8 +63,8 @@ _CONVERT_NAMES = ("convert_path", "export_blockers", "from_hf", "to_hf")
 
 
 def __getattr__(name: str):
-    """`hf_tfm.from_hf` / `to_hf` / `convert_path` / `export`: imported on first use (they load the in-tree model
-    families); `hf_tfm.export` (hf_tfm.exporters.export) likewise."""
+    """`hf_tfm.from_hf` / `to_hf` / `convert_path` and `hf_tfm.export` (`hf_tfm.exporters.export`): imported on first
+    use (they load the in-tree model families)."""
     if name in _CONVERT_NAMES:
         from . import convert
 

@@ -796,12 +796,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .exporters import export, verify
+    from .exporters import export, output_path, verify
 
     src = _require_model_dir(args.src)
-    dst = Path(args.dst)
-    if dst.is_dir():
-        dst = dst / f"model-{args.quantize}.gguf"
+    dst = output_path(args.dst, args.quantize)
     if dst.exists() and not args.overwrite:
         raise CliError(f"{dst} exists; pass --overwrite to replace it")
     try:
@@ -959,7 +957,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="an OpenAI-compatible server for a model folder (vLLM or transformers serve)",
         epilog="Arguments after -- go to the engine's server, e.g. `-- --dtype float32`.",
     )
-    p.epilog += f"\nDocumentation: {DOC_PAGES['serve']}"
     p.add_argument("model", help="model folder (with tokenizer)")
     p.add_argument("--engine", choices=["vllm", "transformers"], default="vllm", help="default: vllm")
     p.add_argument("--host", default="127.0.0.1")
@@ -998,8 +995,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST file")
     p.set_defaults(func=cmd_export)
     for name, command in sub.choices.items():
-        if name != "serve":
-            command.epilog = f"Documentation: {DOC_PAGES[name]}"
+        command.epilog = "\n".join(filter(None, [command.epilog, f"Documentation: {DOC_PAGES[name]}"]))
     return parser
 
 

@@ -125,10 +125,8 @@ def _export(config: TfmConfig, architecture: str) -> dict[str, Support]:
 
 def _runtime_export(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> dict[str, Support]:
     """One line per `hf_tfm.export` format: whether this config exports to it, and if not, the blocking knobs."""
-    try:
-        from .exporters import gguf_architecture_blockers
-    except ImportError as err:
-        return {"GGUF (llama.cpp)": (False, f"hf_tfm.export is not available ({err})")}
+    from .exporters import gguf_architecture_blockers
+
     if architecture != "TfmForCausalLM":
         return {"GGUF (llama.cpp)": (False, f"GGUF export takes causal LMs (TfmForCausalLM), not {architecture}")}
     found = gguf_architecture_blockers(config)

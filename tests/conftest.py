@@ -4,6 +4,7 @@ Import the plain functions from other test files with `from conftest import tiny
 (pytest puts this directory on `sys.path`), or use the fixtures of the same names.
 """
 
+import importlib.util
 import math
 import os
 import re
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -53,6 +55,15 @@ def transformers_verbosity():
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """Import a script or example (not a package module) from its file, as module `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def doc_page(page: str) -> Path:

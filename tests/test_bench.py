@@ -3,24 +3,19 @@
 Performance is never asserted here: the numbers are measured by `scripts/bench.py` itself, not by timed tests.
 """
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("hf_tfm_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH, "hf_tfm_bench")
 
 
 def assert_charts(paths: list[Path]) -> None:
@@ -115,9 +110,7 @@ def test_bench_decode_settings_tiny(tmp_path):
 
 def test_quality_script_tiny(tmp_path):
     """`scripts/quality.py` trains its LM on the demo's corpus, then scores every setting against fp32."""
-    spec = importlib.util.spec_from_file_location("hf_tfm_quality", BENCH.parent / "quality.py")
-    quality = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(quality)
+    quality = load_script(BENCH.parent / "quality.py", "hf_tfm_quality")
     threads = torch.get_num_threads()
     try:
         out = quality.main(["--size", "tiny", "--steps", "3", "--threads", "1", "--json", str(tmp_path / "q.json")])

@@ -5,9 +5,9 @@ field documented and the committed page what the script writes (`python scripts/
 """
 
 import dataclasses
-import importlib.util
-import sys
 from pathlib import Path
+
+from conftest import load_script
 
 from hf_tfm import TfmConfig, TfmSeq2SeqConfig
 
@@ -36,11 +36,7 @@ class Other:
 
 
 def load_gen_docs():
-    spec = importlib.util.spec_from_file_location("hf_tfm_gen_docs", GEN_DOCS)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(GEN_DOCS, "hf_tfm_gen_docs")
 
 
 def own_fields(config_class: type) -> list[str]:

@@ -5,7 +5,6 @@ causal mask for the language model, `embedding(ids) + positions`, its own poolin
 padded rows, so only real tokens are compared.
 """
 
-import importlib.util
 import itertools
 import json
 import math
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import paper_table, random_ids
+from conftest import load_script, paper_table, random_ids
 from torch import nn
 from torch.nn import functional as F
 from transformers import AutoModelForSequenceClassification, Trainer, TrainingArguments
@@ -361,9 +360,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "from_torch_classif
 
 def test_readme_example_runs(tmp_path):
     """examples/from_torch_classifier.py (the README's worked example) runs end to end at tiny sizes."""
-    spec = importlib.util.spec_from_file_location("from_torch_classifier", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script(EXAMPLE, "from_torch_classifier")
     report = example.main(["--output-dir", str(tmp_path / "clf"), "--tiny"])
     assert report["max_difference"] < 1e-5
     assert report["trainer_steps"] > 0

@@ -4,7 +4,6 @@ CPU and writes the report a GPU run would; without CUDA and without `--dry-run` 
 No GPU has run it yet: these tests are what keeps its code paths working until one does.
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -15,15 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 
 
 def load_gpu_check():
-    spec = importlib.util.spec_from_file_location("hf_tfm_gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "hf_tfm_gpu_check")
 
 
 def positive(x) -> bool:

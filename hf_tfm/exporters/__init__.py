@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .gguf import TYPES as GGUF_TYPES
-from .gguf import gguf_architecture, gguf_architecture_blockers, gguf_blockers, verify
+from .gguf import gguf_architecture, gguf_architecture_blockers, gguf_blockers, output_path, verify
 
 FORMATS = ("gguf",)
 
@@ -43,5 +43,6 @@ __all__ = [
     "gguf_architecture",
     "gguf_architecture_blockers",
     "gguf_blockers",
+    "output_path",
     "verify",
 ]

@@ -400,6 +400,12 @@ def _write(writer, gguf, config: TfmConfig, arch: str, tensors: dict, tok: dict,
     writer.close()
 
 
+def output_path(out: str | os.PathLike, quantize: str | None = None) -> Path:
+    """Where an export to `out` is written: `out`, or `out/model-<type>.gguf` for a folder."""
+    out = Path(out)
+    return out / f"model-{quantize or 'f32'}.gguf" if out.is_dir() else out
+
+
 def export_gguf(
     model_or_folder: Any, out: str | os.PathLike, quantize: str | None = None, tokenizer: Any = None
 ) -> Path:
@@ -412,9 +418,7 @@ def export_gguf(
     config = model.config
     arch = gguf_architecture(config)
     tok = _tokenizer_metadata(*_tokenizer_json(source, tokenizer), config)
-    out = Path(out)
-    if out.is_dir():
-        out = out / f"model-{qtype}.gguf"
+    out = output_path(out, qtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     name = Path(source).name if source else "hf_tfm"
     with torch.no_grad():
@@ -604,5 +608,6 @@ __all__ = [
     "gguf_architecture",
     "gguf_architecture_blockers",
     "gguf_blockers",
+    "output_path",
     "verify",
 ]
