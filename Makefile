@@ -38,10 +38,11 @@ matrix-env:
 
 # The newest release (the default environment), then each pinned one, each in its own environment. The files in
 # ENDS_ONLY run on the range's ends only, the newest release and COMMON_ENDS: transformers' own common model tests
-# (about 2 minutes a release), the documentation pages' code and the GGUF export. The releases between run the rest.
+# (about 2 minutes a release), the documentation pages' code and the runtime exports. The releases between run the
+# rest.
 COMMON_ENDS ?= 5.16.1
 ENDS_ONLY := tests/test_transformers_common.py tests/test_doc_pages.py tests/test_docs_reference.py \
-	tests/test_export_gguf.py
+	tests/test_export_gguf.py tests/test_export_onnx.py tests/test_export_ctranslate2.py
 test-matrix: matrix-env
 	$(MAKE) test
 	set -e; for v in $(MATRIX); do \

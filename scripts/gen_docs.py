@@ -214,9 +214,84 @@ def render_presets() -> str:
     return "\n".join([*out, ""])
 
 
+# Rows of the runtimes table: a setting and its knobs over the default decoder (RoPE, RMSNorm, SwiGLU, pre-norm).
+RUNTIME_ROWS = {
+    "the default block (RoPE, RMSNorm, SwiGLU, pre-norm)": {},
+    "GQA (`num_key_value_heads=2`)": {"num_key_value_heads": 2},
+    "untied head": {"tie_word_embeddings": False},
+    "q/k/v biases": {"attention_bias": True, "attention_out_bias": False},
+    "biases everywhere": {"attention_bias": True, "mlp_bias": True},
+    "`lm_head_bias`": {"lm_head_bias": True, "tie_word_embeddings": False},
+    "RoPE linear scaling": {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+    "ALiBi": {"position_embedding_type": "alibi"},
+    "learned positions": {"position_embedding_type": "learned"},
+    "sinusoidal positions": {"position_embedding_type": "sinusoidal"},
+    "LayerNorm": {"norm_type": "layernorm"},
+    "post-norm": {"norm_position": "post"},
+    "GELU MLP": {"ffn_type": "mlp", "hidden_act": "gelu"},
+    "GPT-2's block (learned, LayerNorm, tanh-GELU MLP, biases)": {
+        "position_embedding_type": "learned",
+        "norm_type": "layernorm",
+        "ffn_type": "mlp",
+        "hidden_act": "gelu_new",
+        "attention_bias": True,
+        "mlp_bias": True,
+    },
+    "parallel residual": {"parallel_residual": True},
+    "qk-norm": {"qk_norm": True},
+    "embedding norm": {"embedding_norm": True},
+    "`embedding_scale`": {"embedding_scale": 8.0},
+    "sliding window on every layer": {"sliding_window": 16},
+    "sliding and full layers mixed": {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
+    "experts (`num_experts=4`)": {"num_experts": 4, "num_experts_per_tok": 2},
+    "an encoder (`is_causal=False`)": {"is_causal": False},
+    "an encoder-decoder (`TfmSeq2SeqConfig`)": None,
+}
+RUNTIME_SIZES = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
+
+
+def _runtime_cell(config, format: str) -> str:
+    from hf_tfm.exporters import blockers, gguf_architecture
+    from hf_tfm.exporters import onnx as onnx_export
+
+    sliding_only = format == "onnx" and not onnx_export.onnx_blockers(config, traces_sliding=True)
+    if sliding_only and onnx_export.onnx_blockers(config, traces_sliding=False):  # refused on 5.16.1 only
+        return "yes on transformers 5.24 (5.16.1's exporter cuts the sliding cache: refused)"
+    if blockers(config, format):
+        return "no"
+    return f"yes ({gguf_architecture(config)})" if format == "gguf" else "yes"
+
+
+def render_runtimes() -> str:
+    """The runtimes table: for each setting, whether `hf_tfm.export` writes it for each runtime, computed by the
+    exporters' own refusal rules (`hf_tfm.exporters.blockers`)."""
+    sys.path.insert(0, str(ROOT))
+    from hf_tfm import TfmConfig, TfmSeq2SeqConfig
+    from hf_tfm.exporters import FORMATS
+
+    names = {"gguf": "GGUF (llama.cpp)", "onnx": "ONNX (ONNX Runtime)", "ctranslate2": "CTranslate2"}
+    out = [
+        "## Runtimes",
+        "",
+        'Which settings `hf_tfm.export` writes for each runtime, computed exactly ("yes", with the llama.cpp',
+        'architecture for GGUF) or refused with a `ValueError` naming the knob ("no"). Each row changes the default',
+        "decoder by the knobs named; `hf-tfm info FOLDER` answers the same for a whole config, with the reasons.",
+        "",
+        "| setting | " + " | ".join(names[f] for f in FORMATS) + " |",
+        "|---|" + "---|" * len(FORMATS),
+    ]
+    for label, overrides in RUNTIME_ROWS.items():
+        if overrides is None:
+            config = TfmSeq2SeqConfig(encoder=RUNTIME_SIZES, decoder=RUNTIME_SIZES)
+        else:
+            config = TfmConfig(**RUNTIME_SIZES, **overrides)
+        out.append(f"| {label} | " + " | ".join(_runtime_cell(config, f) for f in FORMATS) + " |")
+    return "\n".join([*out, ""])
+
+
 def render_page() -> str:
-    """The whole page: the knobs (from the source) and the presets."""
-    return render(SOURCE.read_text()) + "\n" + render_presets()
+    """The whole page: the knobs (from the source), the presets and the runtimes each setting exports to."""
+    return render(SOURCE.read_text()) + "\n" + render_presets() + "\n" + render_runtimes()
 
 
 def is_current() -> bool:

@@ -10,30 +10,14 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_config
+from export_models import NEW_TOKENS, PROMPTS, SIZES, VOCAB, config_of, saved, train_tokenizer, trained
 
 import hf_tfm
-from hf_tfm import TfmForCausalLM
 from hf_tfm.cli import main
 from hf_tfm.exporters import export, gguf_architecture, gguf_blockers, verify
 from hf_tfm.exporters import gguf as gguf_export
-from hf_tfm.tokenization import train_bpe_tokenizer
 
 gguf = pytest.importorskip("gguf")
-
-VOCAB = 320  # more rows than the trained tokenizer has tokens: the GGUF vocabulary is padded with unused tokens
-SIZES = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,  # multiples of 32: every 2-D weight splits into Q8_0 / Q4_0 blocks
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "max_position_embeddings": 128,
-    "initializer_range": 0.02,
-}
-CYCLE = [5 + (7 * i) % 60 for i in range(60)]  # a fixed 60-token cycle: token t is always followed by the same one
-PROMPTS = [[1, *CYCLE[3:9]], [1, *CYCLE[20:45]]]  # <s> + 6 tokens, <s> + 25 tokens
-NEW_TOKENS = 32
 
 LLAMA = {}
 LLAMA_GQA_UNTIED = {"num_key_value_heads": 2, "tie_word_embeddings": False}
@@ -62,43 +46,9 @@ LLAMA3_ROPE = {
 }
 
 
-def config_of(**overrides):
-    return tiny_config(**{**SIZES, **overrides})
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
-    texts = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(200)]
-    return train_bpe_tokenizer(texts, vocab_size=300)
-
-
-_TRAINED: dict = {}
-
-
-def trained(overrides: dict) -> TfmForCausalLM:
-    """A tiny model trained 60 steps on the token cycle (cached per config)."""
-    key = json.dumps(overrides, sort_keys=True)
-    if key not in _TRAINED:
-        torch.manual_seed(0)
-        model = TfmForCausalLM(config_of(**overrides))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        starts = torch.randint(0, len(CYCLE), (60, 16))
-        stream = torch.tensor(CYCLE * 3)
-        for step_starts in starts:
-            batch = torch.stack([stream[s : s + 64] for s in step_starts.tolist()])
-            loss = model(input_ids=batch, labels=batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        _TRAINED[key] = model.eval()
-    return _TRAINED[key]
-
-
-def saved(overrides: dict, folder, tokenizer):
-    model = trained(overrides)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return train_tokenizer()
 
 
 @pytest.mark.parametrize(

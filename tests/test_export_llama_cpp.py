@@ -2,7 +2,7 @@
 
 llama.cpp is llama-cpp-python in an environment of its own (`make llama-cpp-env` builds .venv-llama-cpp); without it
 these tests skip. It runs in a process of its own through tests/llama_cpp_driver.py (loaded next to torch, llama.cpp
-segfaulted on this kind of machine), with an f32 KV cache. The models are test_export_gguf.py's: tiny, trained on a
+segfaulted on this kind of machine), with an f32 KV cache. The models are tests/export_models.py's: tiny, trained on a
 token cycle, so greedy steps have clear winners.
 """
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_export_gguf import GPT2, LLAMA, LLAMA_GQA_UNTIED, NEW_TOKENS, PROMPTS, QWEN2, trained
+from export_models import NEW_TOKENS, PROMPTS, train_tokenizer, trained
+from test_export_gguf import GPT2, LLAMA, LLAMA_GQA_UNTIED, QWEN2
 
 from hf_tfm.exporters import export
-from hf_tfm.tokenization import train_bpe_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = ROOT / ".venv-llama-cpp" / "bin" / "python"
@@ -33,8 +33,7 @@ CASES = {"llama": LLAMA, "llama-gqa-untied": LLAMA_GQA_UNTIED, "qwen2": QWEN2, "
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    texts = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(200)]
-    return train_bpe_tokenizer(texts, vocab_size=300)
+    return train_tokenizer()
 
 
 def run_llama_cpp(path: Path, prompts: list[list[int]], new_tokens: int, texts: tuple[str, ...] = ()) -> dict:

@@ -11,7 +11,7 @@ keeps each architecture from it:
   Exact through transformers' loader; llama.cpp's CPU GELU reads an fp16 table, so its own logits are near (~1e-3).
 
 The folder's byte-level BPE tokenizer goes in as llama.cpp's "gpt2" vocabulary with the GPT-2 pre-tokenizer (hf_tfm
-trains with GPT-2's regex), so llama.cpp tokenizes as hf_tfm does. `verify` loads a written file back through
+trains with GPT-2's regex), so llama.cpp tokenizes as hf_tfm does. `verify_gguf` loads a written file back through
 transformers' own GGUF loader (an in-tree Llama / Qwen2 / GPT-2) and compares logits and greedy tokens.
 """
 
@@ -487,7 +487,7 @@ def _gguf_side(args: dict, fresh_process: bool) -> dict:
         return torch.load(result_file)
 
 
-def verify(
+def verify_gguf(
     gguf_file: str | os.PathLike,
     model_or_folder: Any,
     prompts: list[list[int]] | list[str] | None = None,
@@ -609,5 +609,5 @@ __all__ = [
     "gguf_architecture_blockers",
     "gguf_blockers",
     "output_path",
-    "verify",
+    "verify_gguf",
 ]

@@ -1,0 +1,472 @@
+"""ONNX for ONNX Runtime: hf_tfm's own forward traced by `torch.export`, through transformers' exporters.
+
+No runtime architecture has to match: `transformers.exporters.OnnxExporter` traces hf_tfm's modeling code, so every
+knob that traces (every position type, norm placement, parallel residual, qk-norm, sliding windows, MoE, ...) is
+computed exactly. What is written, by head:
+
+* causal LM (`TfmForCausalLM`): `prefill.onnx` (ids, mask, positions -> logits and the KV cache) and `decode.onnx`
+  (one token per sequence and the cache -> logits and the grown cache), traced from a real `generate()` call on a
+  left-padded batch of two, so batch, prompt and cache lengths are dynamic and padded batches decode.
+* encoders (`TfmModel`, the classification, QA and masked-LM heads): `model.onnx` (ids and mask -> the head's output).
+
+Beside the graphs: `config.json`, the tokenizer's files, `onnx_export.json` (what each graph takes and returns, and the
+generation ids) and, for a causal LM, `ort_generate.py`: `OnnxGenerator(folder).generate(prompts, max_new_tokens)`,
+greedy decoding of a padded batch with onnxruntime and numpy alone (no torch). Verification runs that same code.
+`quantize="int8"` stores MatMul weights as int8 per output channel (onnxruntime's dynamic quantization), `"int4"` as
+4-bit blocks of 32 (`MatMulNBits`); activations stay float32. The encoder-decoder has no ONNX export yet: refused.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..configuration import TfmConfig, TfmSeq2SeqConfig
+
+RUNTIME = "ONNX Runtime"
+# --quantize value -> what is stored for MatMul weights (activations stay float32)
+TYPES = {"float32": "float32", "int8": "int8 per output channel (dynamic quantization)", "int4": "int4, blocks of 32"}
+MANIFEST = "onnx_export.json"
+RUNNER = "ort_generate.py"  # written beside a causal LM's graphs: `OnnxGenerator`, onnxruntime and numpy only
+INSTALL_HINT = 'ONNX export needs onnx, onnxscript and onnxruntime: pip install "hf-tfm[export]"'
+ENCODER_CLASSES = (
+    "TfmModel",
+    "TfmForSequenceClassification",
+    "TfmForTokenClassification",
+    "TfmForQuestionAnswering",
+    "TfmForMaskedLM",
+)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def _import_exporters():
+    try:
+        import onnx  # noqa: F401
+        import onnxruntime  # noqa: F401
+        import onnxscript  # noqa: F401
+        from transformers.exporters import OnnxConfig, OnnxExporter
+    except ImportError as err:
+        raise ImportError(INSTALL_HINT) from err
+    return OnnxExporter, OnnxConfig
+
+
+def onnx_blockers(config: TfmConfig | TfmSeq2SeqConfig, traces_sliding: bool | None = None) -> list[str]:
+    """Empty when the ONNX export takes `config`: every decoder and encoder config traces; the encoder-decoder is not
+    exported yet, nor sliding layers where transformers' exporter does not trace them (`traces_sliding`: whether it
+    does; None: the installed release's answer)."""
+    if isinstance(config, TfmSeq2SeqConfig):
+        return [f"{RUNTIME}: the encoder-decoder (TfmSeq2SeqConfig) has no ONNX export yet"]
+    out = []
+    if traces_sliding is None:
+        traces_sliding = _traces_sliding_layers()
+    if config.is_causal and "sliding_attention" in config.layer_types and not traces_sliding:
+        import transformers
+
+        out.append(
+            f"{RUNTIME}: `layer_types` has sliding layers, and transformers {transformers.__version__}'s exporter "
+            "traces the sliding cache's cut to the window into the graph (decoding past the window breaks); releases "
+            "whose exporter traces it as a full layer with a sliding mask (5.24 does) take it"
+        )
+    return out
+
+
+def _traces_sliding_layers() -> bool:
+    """Whether transformers' exporter traces a sliding cache layer as a full one, the window applied by the mask."""
+    try:
+        from transformers.exporters import exporter_dynamo
+    except ImportError:  # no exporters at all: export_onnx says what to install
+        return True
+    return hasattr(exporter_dynamo, "_patch_sliding_window_layer")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Export
+
+
+def _load(model_or_folder: Any) -> tuple[torch.nn.Module, str | None]:
+    from transformers import AutoConfig
+
+    from .. import modeling
+
+    if isinstance(model_or_folder, (str, os.PathLike)):
+        folder = Path(model_or_folder)
+        config = AutoConfig.from_pretrained(folder)
+        blocked = onnx_blockers(config)
+        if blocked:
+            raise ValueError(f"{folder}: {'; '.join(blocked)}.")
+        architecture = (getattr(config, "architectures", None) or ["TfmForCausalLM"])[0]
+        model_class = getattr(modeling, architecture, None)
+        if model_class is None or architecture not in ("TfmForCausalLM", *ENCODER_CLASSES):
+            raise ValueError(f"{folder}: ONNX export takes TfmForCausalLM and the encoder heads, not {architecture}.")
+        return model_class.from_pretrained(folder).eval(), str(folder)
+    name = type(model_or_folder).__name__
+    blocked = onnx_blockers(getattr(model_or_folder, "config", None))
+    if blocked:
+        raise ValueError("; ".join(blocked) + ".")
+    if name not in ("TfmForCausalLM", *ENCODER_CLASSES):
+        raise ValueError(f"ONNX export takes TfmForCausalLM and the encoder heads, not {name}.")
+    return model_or_folder.eval(), getattr(model_or_folder, "name_or_path", None) or None
+
+
+def _sample_batch(config: TfmConfig) -> dict[str, torch.Tensor]:
+    """Two left-padded prompts of different lengths. Sizes of 2+ keep batch and lengths dynamic (torch.export
+    specialises a dimension whose sample size is 0 or 1), and a zero in the mask makes it a real input."""
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    token = next(t for t in range(config.vocab_size) if t not in (pad, config.bos_token_id, config.eos_token_id))
+    ids = torch.full((2, 6), token)
+    ids[0, :2] = pad
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _components(model: torch.nn.Module, generation: bool) -> dict[str, Any]:
+    """name -> traced ONNX program (`torch.onnx.ONNXProgram`)."""
+    exporter_class, config_class = _import_exporters()
+    exporter = exporter_class()
+    sample = _sample_batch(model.config)
+    options = config_class(dynamic=True)
+    with torch.no_grad():
+        if generation:
+            from transformers import GenerationConfig
+
+            # Greedy, whatever the model's own generation config says: the exporter's capture runs generate() for two
+            # tokens, one prefill call and one decode call, and traces each.
+            pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+            capture = GenerationConfig(do_sample=False, pad_token_id=pad)
+            exported = exporter.export_for_generation(model, sample, options, generation_config=capture)
+        else:
+            exported = exporter.export(model, sample, options)
+    # transformers 5.23+ returns an ExportedModel; 5.16-5.22 the programs themselves (a dict for generation).
+    if hasattr(exported, "components"):
+        return {name: component.program for name, component in exported.components.items()}
+    return exported if isinstance(exported, dict) else {"model": exported}
+
+
+def _io(path: Path) -> dict[str, list[str]]:
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return {"inputs": [i.name for i in session.get_inputs()], "outputs": [o.name for o in session.get_outputs()]}
+
+
+STEP_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def _prefill_constants(inputs: list[str], config: TfmConfig) -> dict[str, int]:
+    """Values for the prefill graph's inputs beyond ids, mask and positions: what the empty cache holds. A sliding
+    layer's window is one (a scalar the cache carries from step to step)."""
+    constants = {}
+    for name in inputs:
+        if name in STEP_INPUTS:
+            continue
+        if not name.endswith("_sliding_window_tensor"):
+            raise RuntimeError(f"the traced prefill graph takes {name!r}, which hf_tfm's ONNX runner cannot feed.")
+        constants[name] = config.sliding_window
+    return constants
+
+
+def _save(program: Any, path: Path) -> None:
+    """One graph, its weights in `<name>.onnx.data` beside it (the 2 GB protobuf limit never applies)."""
+    if hasattr(program, "save"):  # torch.onnx.ONNXProgram
+        program.save(path, external_data=True)
+    else:  # an onnx_ir model
+        import onnx_ir
+
+        onnx_ir.save(program, path, external_data=f"{path.name}.data")
+
+
+def _quantize(path: Path, quantize: str) -> None:
+    """Rewrite `path` with its MatMul weights in `quantize`; activations stay float32."""
+    import onnx
+
+    target = path.with_name(f".{path.name}.q")
+    if quantize == "int8":
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        quantize_dynamic(path, target, weight_type=QuantType.QInt8, per_channel=True, op_types_to_quantize=["MatMul"])
+        model = onnx.load(target)
+        target.unlink()
+    else:
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        quantizer = MatMulNBitsQuantizer(onnx.load(path), block_size=32, is_symmetric=True)
+        quantizer.process()
+        model = quantizer.model.model
+    for stale in (path, path.with_name(f"{path.name}.data")):
+        stale.unlink(missing_ok=True)
+    onnx.save(model, path, save_as_external_data=True, location=f"{path.name}.data")
+
+
+def _copy_tokenizer(source: str | None, tokenizer: Any, folder: Path) -> None:
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer.save_pretrained(folder)
+        return
+    where = Path(tokenizer) if tokenizer is not None else (Path(source) if source else None)
+    if where is None:
+        return
+    if where.is_file():  # a tokenizer.json
+        shutil.copy(where, folder / "tokenizer.json")
+        return
+    for name in TOKENIZER_FILES:
+        if (where / name).is_file():
+            shutil.copy(where / name, folder / name)
+
+
+def export_onnx(
+    model_or_folder: Any, out: str | os.PathLike, quantize: str | None = None, tokenizer: Any = None
+) -> Path:
+    """Write an hf_tfm causal LM or encoder (model or saved folder) as ONNX graphs in the folder `out`; see
+    `hf_tfm.exporters.export`. An existing `out` is replaced only once the new export is complete."""
+    qtype = quantize or "float32"
+    if qtype not in TYPES:
+        raise ValueError(f"quantize={quantize!r}: ONNX weight types written here are {list(TYPES)}.")
+    _import_exporters()
+    model, source = _load(model_or_folder)
+    generation = type(model).__name__ == "TfmForCausalLM"
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        components = _components(model, generation)
+        manifest: dict[str, Any] = {"architecture": type(model).__name__, "weights": qtype, "components": {}}
+        for name, program in components.items():
+            path = tmp / f"{name}.onnx"
+            _save(program, path)
+            if qtype != "float32":
+                _quantize(path, qtype)
+            manifest["components"][name] = {"file": path.name, **_io(path)}
+        if generation:
+            manifest["components"]["prefill"]["constants"] = _prefill_constants(
+                manifest["components"]["prefill"]["inputs"], model.config
+            )
+        config = model.config
+        manifest.update(
+            num_hidden_layers=config.num_hidden_layers,
+            pad_token_id=config.pad_token_id,
+            bos_token_id=config.bos_token_id,
+            eos_token_id=config.eos_token_id,
+        )
+        config.save_pretrained(tmp)
+        _copy_tokenizer(source, tokenizer, tmp)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        if generation:
+            (tmp / RUNNER).write_text(_ORT_SIDE.lstrip())
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+            os.replace(out, old / out.name)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Running an export: onnxruntime and numpy only (this block is also the verifying process's whole program)
+
+_ORT_SIDE = r'''
+import json
+from pathlib import Path
+
+import numpy as np
+import onnxruntime
+
+
+class OnnxGenerator:
+    """Greedy decoding over an hf_tfm ONNX export (prefill.onnx + decode.onnx), with onnxruntime and numpy alone."""
+
+    def __init__(self, folder, threads=None):
+        folder = Path(folder)
+        self.manifest = json.loads((folder / "onnx_export.json").read_text())
+        options = onnxruntime.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        self.sessions = {
+            name: onnxruntime.InferenceSession(str(folder / part["file"]), options, providers=["CPUExecutionProvider"])
+            for name, part in self.manifest["components"].items()
+        }
+
+    def _feed(self, name, ids, mask, positions, cache=()):
+        part = self.manifest["components"][name]
+        values = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+        constants = part.get("constants", {})  # what an empty cache holds (a sliding layer's window)
+        cached = [n for n in part["inputs"] if n not in values and n not in constants]  # the cache, layer by layer
+        feed = {n: values[n] for n in part["inputs"] if n in values}
+        feed.update({n: np.array(v, dtype=np.int64) for n, v in constants.items()})
+        feed.update(zip(cached, cache, strict=True))
+        logits, *cache = self.sessions[name].run(None, feed)
+        return logits, cache
+
+    def prefill(self, prompts):
+        """Left-pad `prompts` (lists of ids) into a batch; its logits (B, T, V), the cache and the mask."""
+        pad = self.manifest["pad_token_id"] or 0
+        length = max(len(p) for p in prompts)
+        ids = np.array([[pad] * (length - len(p)) + list(p) for p in prompts], dtype=np.int64)
+        mask = np.array([[0] * (length - len(p)) + [1] * len(p) for p in prompts], dtype=np.int64)
+        positions = np.where(mask == 0, 1, mask.cumsum(-1) - 1)  # as generate() numbers them
+        logits, cache = self._feed("prefill", ids, mask, positions)
+        return logits, cache, mask
+
+    def generate(self, prompts, max_new_tokens, suppress=()):
+        """Greedy continuations of `prompts`, `max_new_tokens` each (`suppress`: ids never chosen, e.g. EOS)."""
+        logits, cache, mask = self.prefill(prompts)
+        new = []
+        for _ in range(max_new_tokens):
+            step = logits[:, -1].copy()
+            step[:, list(suppress)] = -np.inf
+            token = step.argmax(-1)[:, None].astype(np.int64)  # (B, 1)
+            new.append(token)
+            positions = mask.sum(-1, keepdims=True)  # the next position of each sequence, padding not counted
+            mask = np.concatenate([mask, np.ones_like(token)], axis=1)
+            logits, cache = self._feed("decode", token, mask, positions, cache)
+        return np.concatenate(new, axis=1).tolist()
+
+
+def run_encoder(args):
+    """The export's outputs on `prompts` as one right-padded batch: name -> (B, ...) nested lists."""
+    folder = Path(args["path"])
+    manifest = json.loads((folder / "onnx_export.json").read_text())
+    options = onnxruntime.SessionOptions()
+    if args.get("threads"):
+        options.intra_op_num_threads = args["threads"]
+    session = onnxruntime.InferenceSession(str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    prompts, pad = args["prompts"], manifest["pad_token_id"] or 0
+    length = max(len(p) for p in prompts)
+    ids = np.array([list(p) + [pad] * (length - len(p)) for p in prompts], dtype=np.int64)
+    mask = np.array([[1] * len(p) + [0] * (length - len(p)) for p in prompts], dtype=np.int64)
+    values = {"input_ids": ids, "attention_mask": mask}
+    outputs = session.run(None, {i.name: values[i.name] for i in session.get_inputs()})
+    return {o.name: x.tolist() for o, x in zip(session.get_outputs(), outputs, strict=True)}
+
+
+def run(args):
+    if args.get("encoder"):
+        return run_encoder(args)
+    generator = OnnxGenerator(args["path"], threads=args.get("threads"))
+    tokens = generator.generate(args["prompts"], args["max_new_tokens"], args["suppress"])
+    logits = [generator.prefill([reference])[0][0] for reference in args["references"]]
+    return {"tokens": tokens, "logits": [x.tolist() for x in logits]}
+'''
+
+
+def _ort_side(args: dict, fresh_process: bool) -> dict:
+    if not fresh_process:
+        namespace: dict = {}
+        exec(_ORT_SIDE, namespace)
+        return namespace["run"](args)
+    with tempfile.TemporaryDirectory(prefix="hf_tfm_onnx_verify_") as tmp:
+        result_file = Path(tmp) / "result.json"
+        # torch is blocked there: what runs is what a deployment without PyTorch runs.
+        code = (
+            f"import sys\nsys.modules['torch'] = None\n{_ORT_SIDE}\nargs = json.loads(sys.stdin.read())\n"
+            f"Path({str(result_file)!r}).write_text(json.dumps(run(args)))\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code], input=json.dumps(args), capture_output=True, text=True, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"ONNX Runtime failed on {args['path']}: {done.stderr.strip()[-2000:]}")
+        return json.loads(result_file.read_text())
+
+
+def verify_onnx(
+    exported: str | os.PathLike,
+    model_or_folder: Any,
+    prompts: list[list[int]] | list[str] | None = None,
+    max_new_tokens: int = 32,
+    fresh_process: bool = True,
+) -> dict[str, Any]:
+    """Run an ONNX export of a causal LM in ONNX Runtime (in a fresh process that imports no torch, unless
+    `fresh_process=False`) and compare it with the hf_tfm model: greedy tokens of all prompts decoded as one padded
+    batch against `generate()` on each prompt alone (EOS suppressed on both sides), and the prefill logits on hf_tfm's
+    greedy sequences. Returns `tokens_equal`, `agreement`, `max_logit_diff`, `weights`, `prompts`, `max_new_tokens`."""
+    exported = Path(exported).resolve()
+    manifest = json.loads((exported / MANIFEST).read_text())
+    model, source = _load(model_or_folder)
+    if type(model).__name__ != manifest["architecture"]:
+        raise ValueError(f"{exported} is a {manifest['architecture']} export, the model a {type(model).__name__}.")
+    config = model.config
+    if prompts is None or (prompts and isinstance(prompts[0], str)):
+        from transformers import AutoTokenizer
+
+        if source is None:
+            raise ValueError("text prompts need the model's folder (its tokenizer): pass token ids.")
+        texts = prompts or ["def main():\n    ", 'import os\nimport sys\n\n\nclass Config:\n    """Return the']
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        prompts = [tokenizer(text)["input_ids"] for text in texts]
+    if manifest["architecture"] in ENCODER_CLASSES:
+        return _verify_encoder(exported, model, prompts, manifest, fresh_process)
+    references = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                pad_token_id=config.pad_token_id,
+            )
+            references.append(out[0].tolist())
+        ours = [model(torch.tensor([ref])).logits[0].float() for ref in references]
+    eos = config.eos_token_id
+    args = {
+        "path": str(exported),
+        "prompts": [list(map(int, p)) for p in prompts],
+        "references": references,
+        "max_new_tokens": max_new_tokens,
+        "suppress": [] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        "threads": torch.get_num_threads(),
+    }
+    theirs = _ort_side(args, fresh_process)
+    ref_tokens = [ref[len(p) :] for ref, p in zip(references, prompts, strict=True)]
+    equal = sum(a == b for r, t in zip(ref_tokens, theirs["tokens"], strict=True) for a, b in zip(r, t, strict=True))
+    total = sum(len(r) for r in ref_tokens)
+    diff = max(float((a - torch.tensor(b)).abs().max()) for a, b in zip(ours, theirs["logits"], strict=True))
+    return {
+        "weights": manifest["weights"],
+        "tokens_equal": ref_tokens == theirs["tokens"],
+        "agreement": equal / total if total else 1.0,
+        "max_logit_diff": diff,
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+    }
+
+
+def _verify_encoder(exported: Path, model: torch.nn.Module, prompts: list, manifest: dict, fresh: bool) -> dict:
+    """Each output of the export on the prompts as one padded batch against the model on each prompt alone (per
+    token outputs compared on the prompt's own positions)."""
+    args = {"path": str(exported), "prompts": [list(map(int, p)) for p in prompts], "encoder": True}
+    theirs = _ort_side({**args, "threads": torch.get_num_threads()}, fresh)
+    diff = 0.0
+    with torch.no_grad():
+        for row, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt])
+            ours = model(input_ids=ids, attention_mask=torch.ones_like(ids))
+            for name, values in theirs.items():
+                if name not in ours:
+                    raise RuntimeError(f"{exported}: the export returns {name!r}, the model does not.")
+                mine, other = ours[name][0].float(), torch.tensor(values[row])
+                if mine.dim() and mine.shape[0] == len(prompt):  # per token: the prompt's own positions
+                    other = other[: len(prompt)]
+                diff = max(diff, float((mine - other).abs().max()))
+    return {
+        "weights": manifest["weights"],
+        "outputs": sorted(theirs),
+        "max_diff": diff,
+        "prompts": len(prompts),
+    }
+
+
+__all__ = ["ENCODER_CLASSES", "MANIFEST", "RUNNER", "TYPES", "export_onnx", "onnx_blockers", "verify_onnx"]

@@ -1,0 +1,69 @@
+"""Tiny trained models shared by the export tests (GGUF, llama.cpp, ONNX, CTranslate2).
+
+Random weights give near-ties in greedy decoding that float noise flips, so each model is trained 60 steps on a fixed
+token cycle (token t is always followed by the same token): every greedy step then has a clear winner, and an export
+that computes the config exactly gives the same tokens.
+"""
+
+import json
+
+import torch
+from conftest import tiny_config
+
+from hf_tfm import TfmForCausalLM
+from hf_tfm.tokenization import train_bpe_tokenizer
+
+VOCAB = 320  # more rows than the trained tokenizer has tokens: exports pad the vocabulary with unused tokens
+SIZES = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,  # multiples of 32: every 2-D weight splits into Q8_0 / Q4_0 blocks
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 128,
+    "initializer_range": 0.02,
+}
+CYCLE = [5 + (7 * i) % 60 for i in range(60)]  # a fixed 60-token cycle: token t is always followed by the same one
+PROMPTS = [[1, *CYCLE[3:9]], [1, *CYCLE[20:45]]]  # <s> + 6 tokens, <s> + 25 tokens
+NEW_TOKENS = 32
+
+
+def config_of(**overrides):
+    """The export tests' tiny config with `overrides`."""
+    return tiny_config(**{**SIZES, **overrides})
+
+
+def train_tokenizer():
+    """A byte-level BPE tokenizer trained on a few lines of code (the models ignore its merges: ids are the cycle)."""
+    texts = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(200)]
+    return train_bpe_tokenizer(texts, vocab_size=300)
+
+
+_TRAINED: dict = {}
+
+
+def trained(overrides: dict) -> TfmForCausalLM:
+    """A tiny causal LM with `overrides`, trained 60 steps on the token cycle (cached per config)."""
+    key = json.dumps(overrides, sort_keys=True)
+    if key not in _TRAINED:
+        torch.manual_seed(0)
+        model = TfmForCausalLM(config_of(**overrides))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        starts = torch.randint(0, len(CYCLE), (60, 16))
+        stream = torch.tensor(CYCLE * 3)
+        for step_starts in starts:
+            batch = torch.stack([stream[s : s + 64] for s in step_starts.tolist()])
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        _TRAINED[key] = model.eval()
+    return _TRAINED[key]
+
+
+def saved(overrides: dict, folder, tokenizer):
+    """`trained(overrides)` and `tokenizer` saved in `folder`; returns the folder."""
+    model = trained(overrides)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
