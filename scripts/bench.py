@@ -586,6 +586,13 @@ def parse_args(argv=None):
         f"{','.join(DECODE_SETTINGS)}, or all) against the measured streaming bandwidth; a setting with "
         f"{COMPILED} appended decodes with a static cache and compiled generate()",
     )
+    p.add_argument(
+        "--runtimes",
+        default=None,
+        help="instead of the pair tasks: decode the same hf_tfm weights in hf_tfm and exported to other runtimes, "
+        f"each in a process of its own (comma list of {','.join(s.replace(' ', '_') for s in RUNTIME_SETTINGS)}, "
+        "or all)",
+    )
     p.add_argument("--bandwidth-mib", type=int, default=None, help="size of the bandwidth GEMV (default: by --size)")
     p.add_argument(
         "--compare-modeling",
@@ -622,6 +629,15 @@ def parse_args(argv=None):
             p.error(f"unknown decode settings {sorted(bad)}")
         if "fp32" not in args.setting_list:  # the reference of every speedup
             args.setting_list.insert(0, "fp32")
+    args.runtime_list = []
+    if args.runtimes:
+        names = {name.replace(" ", "_"): name for name in RUNTIME_SETTINGS}
+        chosen = list(names) if args.runtimes == "all" else args.runtimes.split(",")
+        if bad := set(chosen) - set(names):
+            p.error(f"unknown runtimes {sorted(bad)}")
+        args.runtime_list = [names[x] for x in chosen]
+        if "hf_tfm fp32" not in args.runtime_list:  # the reference of every speedup
+            args.runtime_list.insert(0, "hf_tfm fp32")
     return args
 
 
@@ -659,7 +675,13 @@ def main(argv=None) -> dict:
         print(f"[bench] streaming bandwidth {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s", file=sys.stderr, flush=True)
         for size in args.sizes:
             decode_rows += decode_settings(size, args.setting_list, args, bandwidth)
-    for size in args.sizes if not args.setting_list else []:
+    runtime_rows = []
+    if args.runtime_list:  # a runtimes-only run: the same weights in each runtime, each in its own process
+        mib = args.bandwidth_mib or BANDWIDTH_MIB[args.sizes[0]]
+        bandwidth = stream_bandwidth(mib, torch.get_num_threads())
+        for size in args.sizes:
+            runtime_rows += runtimes(size, args, bandwidth)
+    for size in args.sizes if not (args.setting_list or args.runtime_list) else []:
         args.cur_size = size
         shp = SHAPES[size]
         for pair_name in args.pair_list:
@@ -738,6 +760,9 @@ def main(argv=None) -> dict:
     if args.setting_list:
         out["bandwidth"], out["decode"] = bandwidth, decode_rows
         table = decode_markdown(decode_rows, bandwidth, SHAPES[args.sizes[0]]["decode_batches"])
+    if args.runtime_list:
+        out["bandwidth"], out["runtimes"] = bandwidth, runtime_rows
+        table = runtimes_markdown(runtime_rows, bandwidth, SHAPES[args.sizes[0]]["decode_batches"])
     out["markdown"] = table
     print(table)
     if args.json:
@@ -1178,6 +1203,113 @@ def decode_markdown(rows: list[dict], bandwidth: dict, batches: tuple[int, int])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Runtimes (`--runtimes`): the same weights in hf_tfm and exported to ONNX Runtime and CTranslate2, each decoding in a
+# process of its own (scripts/bench_runtime_worker.py), one after another
+
+RUNTIME_SETTINGS = {
+    # name: (format, quantize, what)
+    "hf_tfm fp32": ("hf_tfm", None, "hf_tfm generate(), float32, eager"),
+    "onnx float32": ("onnx", None, "ONNX Runtime 1.32, float32 graphs"),
+    "onnx int8": ("onnx", "int8", "ONNX Runtime, int8 MatMul weights per channel"),
+    "onnx int4": ("onnx", "int4", "ONNX Runtime, int4 MatMulNBits, blocks of 32"),
+    "ct2 float32": ("ctranslate2", None, "CTranslate2 4.8 Generator, float32"),
+    "ct2 int8": ("ctranslate2", "int8", "CTranslate2 Generator, int8 weights"),
+}
+WORKER = Path(__file__).resolve().parent / "bench_runtime_worker.py"
+
+
+def _weight_bytes(fmt: str, path: str, model: nn.Module) -> int:
+    """Bytes of weights a decode step reads: hf_tfm's streamed parameters; for an export, its weight files (the
+    decode graph's for ONNX, model.bin for CTranslate2), so a stored copy of the token table counts."""
+    if fmt == "hf_tfm":
+        return streamed_weight_bytes(model)
+    files = [Path(path) / "decode.onnx.data"] if fmt == "onnx" else [Path(path) / "model.bin"]
+    return sum(f.stat().st_size for f in files)
+
+
+def _time_in_process(fmt: str, path: str, prompts: list[list[int]], new: int, rounds: int, threads: int) -> dict:
+    import subprocess
+
+    request = {"format": fmt, "path": path, "prompts": prompts, "new": new, "rounds": rounds, "threads": threads}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(
+        [sys.executable, str(WORKER)], input=json.dumps(request), capture_output=True, text=True, env=env, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "the worker failed")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def runtimes(size: str, args, bandwidth: dict) -> list[dict]:
+    """Per runtime setting: ms per decode step at each batch size, weight bytes per step, its fraction of
+    `bandwidth`, and the speedup over hf_tfm fp32; every setting decodes the same random prompts greedily."""
+    import tempfile
+
+    from hf_tfm.exporters import export
+    from hf_tfm.tokenization import train_bpe_tokenizer
+
+    shp, vocab = SHAPES[size], SIZES[size]["vocab"]
+    model = build_pair("llama", size, torch.float32, args.attn, "cpu").ours
+    tokenizer = train_bpe_tokenizer(["def f(x):\n    return x + 1\n"] * 20, vocab_size=300)  # CTranslate2's strings
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = os.path.join(tmp, "hf_tfm")
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        for name in args.runtime_list:
+            fmt, quantize, what = RUNTIME_SETTINGS[name]
+            row = {"size": size, "setting": name, "what": what}
+            print(f"[bench] {size} runtime {name} ...", file=sys.stderr, flush=True)
+            try:
+                path = folder
+                if fmt != "hf_tfm":
+                    out = os.path.join(tmp, name.replace(" ", "-"))
+                    path = str(export(folder, out, format=fmt, quantize=quantize))
+                row["weight_bytes_per_step"] = _weight_bytes(fmt, path, model)
+                for batch in shp["decode_batches"]:
+                    seed = torch.Generator().manual_seed(0)
+                    prompts = torch.randint(3, vocab, (batch, shp["prompt"]), generator=seed)
+                    t = _time_in_process(fmt, path, prompts.tolist(), shp["new"], args.rounds, args.threads)
+                    step = (t["full"] - t["prefill"]) / (shp["new"] - 1)
+                    row[f"b{batch}_step_s"] = step
+                    row[f"b{batch}_bandwidth_frac"] = row["weight_bytes_per_step"] / step / bandwidth["bytes_per_s"]
+            except Exception as err:  # a runtime that does not run here is reported, with its error
+                row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
+                print(f"[bench]   {row['error']}", file=sys.stderr, flush=True)
+            rows.append(row)
+    reference = next((r for r in rows if r["setting"] == "hf_tfm fp32" and "error" not in r), None)
+    for row in rows:
+        if reference is not None and "error" not in row:
+            for batch in shp["decode_batches"]:
+                key = f"b{batch}_step_s"
+                row[f"b{batch}_speedup_vs_hf_tfm_fp32"] = reference[key] / row[key]
+    return rows
+
+
+def runtimes_markdown(rows: list[dict], bandwidth: dict, batches: tuple[int, int]) -> str:
+    b1, b8 = batches
+    lines = [
+        f"Streaming bandwidth (fp32 GEMV over {bandwidth['bytes'] / 2**20:.0f} MiB): "
+        f"{bandwidth['bytes_per_s'] / 1e9:.1f} GB/s. Each setting decodes in a process of its own.",
+        "",
+        f"| size | setting | what | weights MB/step | ms/token B={b1} | ms/token B={b8} | vs hf_tfm fp32 B={b1} "
+        f"| vs hf_tfm fp32 B={b8} | bandwidth frac B={b1} |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['size']} | {r['setting']} | {r['what']} | fails: {r['error']} |||||")
+            continue
+        lines.append(
+            f"| {r['size']} | {r['setting']} | {r['what']} | {r['weight_bytes_per_step'] / 1e6:.1f} "
+            f"| {r[f'b{b1}_step_s'] * 1e3:.1f} | {r[f'b{b8}_step_s'] * 1e3:.1f} "
+            f"| **{r.get(f'b{b1}_speedup_vs_hf_tfm_fp32', float('nan')):.2f}x** "
+            f"| {r.get(f'b{b8}_speedup_vs_hf_tfm_fp32', float('nan')):.2f}x | {r[f'b{b1}_bandwidth_frac']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Charts of a run's output (`--charts DIR`, or `--charts DIR --from-json bench.json`)
 
 CHART_WIDTH_IN, CHART_DPI = 9.0, 150  # 1350 px, readable shown 900 px wide
@@ -1186,7 +1318,8 @@ SIDES = {"ours": "hf_tfm", "theirs": "in-tree"}
 
 def write_charts(out: dict, directory: Path) -> list[Path]:
     """PNG charts of a run's output (as `--json` writes it): `speedup.png` when it has pair results,
-    `decode_settings.png` when it has decode-setting results. Returns the paths written."""
+    `decode_settings.png` when it has decode-setting results, `runtimes.png` for a runtimes run. Returns the paths
+    written."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     directory = Path(directory)
@@ -1199,6 +1332,10 @@ def write_charts(out: dict, directory: Path) -> list[Path]:
         figures["speedup.png"] = speedup_chart(rows, title)
     if out.get("decode"):
         figures["decode_settings.png"] = decode_chart(out["decode"], out["bandwidth"], title)
+    if out.get("runtimes"):  # one series per batch size: each row is one runtime's own numbers
+        rows = [{**r, "ours": {k: v for k, v in r.items() if k.startswith("b")}} for r in out["runtimes"]]
+        heading = "The same weights decoding in hf_tfm and in other runtimes, each in its own process"
+        figures["runtimes.png"] = decode_chart(rows, out["bandwidth"], title, {"ours": "greedy"}, heading)
     paths = []
     for name, fig in figures.items():
         FigureCanvasAgg(fig).print_png(directory / name, metadata={"Software": "hf_tfm scripts/bench.py"})
@@ -1261,14 +1398,14 @@ def speedup_chart(rows: list[dict], title: str):
     return fig
 
 
-def decode_chart(rows: list[dict], bandwidth: dict, title: str):
-    """Per weight setting: ms per decode step and the fraction of the streaming bandwidth, hf_tfm and in-tree, per
-    batch size; a setting that failed here is named with its error."""
+def decode_chart(rows: list[dict], bandwidth: dict, title: str, sides: dict = SIDES, heading: str = ""):
+    """Per weight setting: ms per decode step and the fraction of the streaming bandwidth, for each of `sides` (hf_tfm
+    and in-tree), per batch size; a setting that failed here is named with its error."""
     import matplotlib
 
     step_keys = {k for r in rows if "error" not in r for k in r["ours"] if k.endswith("_step_s")}  # b1_step_s, ...
     batches = sorted(int(k.removeprefix("b").removesuffix("_step_s")) for k in step_keys)
-    series = [(side, batch) for batch in batches for side in SIDES]
+    series = [(side, batch) for batch in batches for side in sides]
     colours = matplotlib.colormaps["tab20"].colors  # dark/light pairs: hf_tfm/in-tree, one hue per batch
     height = 0.8 / max(len(series), 1)
     fig = new_figure(1.8 + 0.45 * len(rows))
@@ -1277,7 +1414,7 @@ def decode_chart(rows: list[dict], bandwidth: dict, title: str):
     for k, (side, batch) in enumerate(series):
         offset = (k - (len(series) - 1) / 2) * height
         ok = [(i + offset, r[side]) for i, r in enumerate(rows) if "error" not in r]
-        style = {"height": height, "color": colours[k], "label": f"{SIDES[side]} B={batch}"}
+        style = {"height": height, "color": colours[k], "label": f"{sides[side]} B={batch}"}
         ms = [d[f"b{batch}_step_s"] * 1e3 for _, d in ok]
         ms_values += ms
         ax_ms.barh([y for y, _ in ok], ms, **style)
@@ -1301,7 +1438,8 @@ def decode_chart(rows: list[dict], bandwidth: dict, title: str):
         ax.set_axisbelow(True)
     if series:
         fig.legend(*ax_ms.get_legend_handles_labels(), loc="outside lower center", ncols=len(series))
-    fig.suptitle(f"Decoding under each weight setting, hf_tfm and in-tree Llama\n{title}", fontsize=11)
+    heading = heading or "Decoding under each weight setting, hf_tfm and in-tree Llama"
+    fig.suptitle(f"{heading}\n{title}", fontsize=11)
     return fig
 
 

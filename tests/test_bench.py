@@ -141,3 +141,30 @@ def test_bench_decode_settings_compiled_tiny(tmp_path):
     assert list(rows) == ["fp32", "bf16+compile"] and "compiled generate()" in rows["bf16+compile"]["what"]
     for side in ("ours", "theirs"):
         assert math.isfinite(rows["bf16+compile"][side]["b1_speedup_vs_fp32_in_tree"])
+
+
+def test_bench_runtimes_tiny(tmp_path):
+    """`--runtimes`: the same weights exported and decoded by each runtime in a process of its own, with ratios to
+    hf_tfm's fp32 decoding and a chart."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("ctranslate2")
+    bench = load_bench()
+    threads = torch.get_num_threads()
+    out_path, charts = tmp_path / "runtimes.json", tmp_path / "charts"
+    argv = ["--size", "tiny", "--runtimes", "onnx_int8,ct2_float32", "--rounds", "1", "--threads", "1"]
+    try:
+        bench.main([*argv, "--json", str(out_path), "--charts", str(charts)])
+    finally:
+        torch.set_num_threads(threads)
+    out = json.loads(out_path.read_text())
+    rows = {r["setting"]: r for r in out["runtimes"]}
+    assert list(rows) == ["hf_tfm fp32", "onnx int8", "ct2 float32"]  # the reference comes first, always
+    for name, r in rows.items():
+        assert "error" not in r, r
+        assert r["weight_bytes_per_step"] > 0
+        for batch in bench.SHAPES["tiny"]["decode_batches"]:
+            assert r[f"b{batch}_step_s"] > 0 and math.isfinite(r[f"b{batch}_speedup_vs_hf_tfm_fp32"]), name
+    assert rows["hf_tfm fp32"]["b1_speedup_vs_hf_tfm_fp32"] == 1.0
+    assert rows["onnx int8"]["weight_bytes_per_step"] < rows["ct2 float32"]["weight_bytes_per_step"]
+    assert "| tiny | onnx int8 |" in out["markdown"]
+    assert_charts([charts / "runtimes.png"])

@@ -1,0 +1,70 @@
+"""One runtime's greedy decoding, timed in a process of its own (`scripts/bench.py --runtimes` starts one per setting).
+
+Two OpenMP runtimes in one process slow each other (CTranslate2 next to torch slowed torch 1.7-2.4x here), so this
+script imports only the runtime it times: torch for hf_tfm, onnxruntime + numpy for ONNX, ctranslate2 for CTranslate2.
+It reads a JSON request on stdin (`format`, `path`, `prompts`, `new`, `rounds`, `threads`) and prints, as JSON, the
+median seconds of `new` greedy tokens and of 1 (the prefill alone), timed alternately round after round.
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def _hf_tfm(path: str, prompts: list[list[int]], threads: int):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hf_tfm  # noqa: F401  (registers the Auto classes)
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+
+    def run(new: int):
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+
+    return run
+
+
+def _onnx(path: str, prompts: list[list[int]], threads: int):
+    sys.path.insert(0, path)  # the export's own runner, as a deployment uses it
+    from ort_generate import OnnxGenerator
+
+    generator = OnnxGenerator(path, threads=threads)
+    return lambda new: generator.generate(prompts, new)
+
+
+def _ctranslate2(path: str, prompts: list[list[int]], threads: int):
+    import ctranslate2
+
+    generator = ctranslate2.Generator(path, device="cpu", compute_type="default", intra_threads=threads)
+    with open(os.path.join(path, "vocabulary.json"), encoding="utf-8") as file:
+        vocabulary = json.load(file)
+    tokens = [[vocabulary[i] for i in prompt] for prompt in prompts]
+    greedy = {"beam_size": 1, "sampling_topk": 1, "include_prompt_in_result": False}
+    return lambda new: generator.generate_batch(tokens, max_length=new, min_length=new, **greedy)
+
+
+RUNNERS = {"hf_tfm": _hf_tfm, "onnx": _onnx, "ctranslate2": _ctranslate2}
+
+
+def main() -> None:
+    request = json.loads(sys.stdin.read())
+    run = RUNNERS[request["format"]](request["path"], request["prompts"], request["threads"])
+    run(request["new"])  # warm-up: kernels, allocations, caches
+    times: dict[str, list[float]] = {"full": [], "prefill": []}
+    for _ in range(request["rounds"]):
+        for kind, new in (("full", request["new"]), ("prefill", 1)):
+            start = time.perf_counter()
+            run(new)
+            times[kind].append(time.perf_counter() - start)
+    print(json.dumps({kind: statistics.median(values) for kind, values in times.items()}))
+
+
+if __name__ == "__main__":
+    main()
