@@ -149,14 +149,15 @@ def _gguf_export(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> Sup
 
 
 def _onnx_export(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> Support:
-    from .exporters.onnx import ENCODER_CLASSES, onnx_blockers
+    from .exporters.onnx import ENCODER_CLASSES, GENERATORS, TAKES, onnx_blockers
 
     found = onnx_blockers(config)
     if found:
         return False, "; ".join(found)
-    if architecture not in ("TfmForCausalLM", *ENCODER_CLASSES):
-        return False, f"ONNX export takes TfmForCausalLM and the encoder heads, not {architecture}"
-    graphs = "prefill + decode graphs" if architecture == "TfmForCausalLM" else "one graph"
+    if architecture not in (*GENERATORS, *ENCODER_CLASSES):
+        return False, f"ONNX export takes {', '.join(TAKES)}, not {architecture}"
+    graphs = {"TfmForCausalLM": "prefill + decode graphs", "TfmForConditionalGeneration": "encoder + prefill + decode"}
+    graphs = graphs.get(architecture, "one graph")
     note = _install_note("onnx", "onnxscript", "onnxruntime")
     return True, f"{graphs}, traced from hf_tfm's code (`hf-tfm export --format onnx`){note}"
 

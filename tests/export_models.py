@@ -10,7 +10,7 @@ import json
 import torch
 from conftest import tiny_config
 
-from hf_tfm import TfmForCausalLM
+from hf_tfm import TfmForCausalLM, TfmForConditionalGeneration, TfmSeq2SeqConfig
 from hf_tfm.tokenization import train_bpe_tokenizer
 
 VOCAB = 320  # more rows than the trained tokenizer has tokens: exports pad the vocabulary with unused tokens
@@ -67,3 +67,26 @@ def saved(overrides: dict, folder, tokenizer):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+_SEQ2SEQ: dict = {}
+
+
+def trained_seq2seq(encoder: dict, decoder: dict, **overrides) -> TfmForConditionalGeneration:
+    """A tiny encoder-decoder trained 60 steps to continue the token cycle (source: 12 tokens, target: the next 24);
+    cached per config."""
+    key = json.dumps([encoder, decoder, overrides], sort_keys=True)
+    if key not in _SEQ2SEQ:
+        torch.manual_seed(0)
+        config = TfmSeq2SeqConfig(encoder={**SIZES, **encoder}, decoder={**SIZES, **decoder}, **overrides)
+        model = TfmForConditionalGeneration(config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        stream = torch.tensor(CYCLE * 3)
+        for starts in torch.randint(0, len(CYCLE), (60, 16)).tolist():
+            source = torch.stack([stream[s : s + 12] for s in starts])
+            labels = torch.stack([stream[s + 12 : s + 36] for s in starts])
+            model(input_ids=source, labels=labels).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        _SEQ2SEQ[key] = model.eval()
+    return _SEQ2SEQ[key]

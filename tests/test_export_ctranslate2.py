@@ -12,9 +12,9 @@ import json
 import pytest
 import torch
 from conftest import tiny_seq2seq_config
-from export_models import CYCLE, NEW_TOKENS, PROMPTS, SIZES, VOCAB, config_of, saved, train_tokenizer, trained
+from export_models import NEW_TOKENS, PROMPTS, VOCAB, config_of, saved, train_tokenizer, trained, trained_seq2seq
 
-from hf_tfm import TfmForCausalLM, TfmForConditionalGeneration, TfmSeq2SeqConfig
+from hf_tfm import TfmForCausalLM, TfmForConditionalGeneration
 from hf_tfm.exporters import blockers, export, format_of, quantize_types, verify
 from hf_tfm.exporters import ctranslate2 as ct2_export
 from hf_tfm.exporters.ctranslate2 import ctranslate2_blockers, export_ctranslate2, verify_ctranslate2
@@ -240,29 +240,6 @@ def test_a_lone_encoder_or_seq2seq_decoder_config_is_refused():
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Encoder-decoders: TransformerSpec, run by ctranslate2.Translator
-
-_SEQ2SEQ: dict = {}
-
-
-def trained_seq2seq(encoder: dict, decoder: dict, **overrides) -> TfmForConditionalGeneration:
-    """A tiny encoder-decoder trained 60 steps to continue the token cycle (source: 12 tokens, target: the next 24);
-    cached per config."""
-    key = json.dumps([encoder, decoder, overrides], sort_keys=True)
-    if key not in _SEQ2SEQ:
-        torch.manual_seed(0)
-        config = TfmSeq2SeqConfig(encoder={**SIZES, **encoder}, decoder={**SIZES, **decoder}, **overrides)
-        model = TfmForConditionalGeneration(config)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        stream = torch.tensor(CYCLE * 3)
-        for starts in torch.randint(0, len(CYCLE), (60, 16)).tolist():
-            source = torch.stack([stream[s : s + 12] for s in starts])
-            labels = torch.stack([stream[s + 12 : s + 36] for s in starts])
-            model(input_ids=source, labels=labels).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        _SEQ2SEQ[key] = model.eval()
-    return _SEQ2SEQ[key]
-
 
 PAPER = {**SINUSOIDAL, "norm_position": "post"}  # "Attention Is All You Need"
 BART = {**LEARNED_LN, "norm_position": "post", "hidden_act": "gelu", "position_offset": 2, "embedding_norm": True}

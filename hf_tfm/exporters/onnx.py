@@ -8,12 +8,15 @@ computed exactly. What is written, by head:
   (one token per sequence and the cache -> logits and the grown cache), traced from a real `generate()` call on a
   left-padded batch of two, so batch, prompt and cache lengths are dynamic and padded batches decode.
 * encoders (`TfmModel`, the classification, QA and masked-LM heads): `model.onnx` (ids and mask -> the head's output).
+* the encoder-decoder (`TfmForConditionalGeneration`): `encoder.onnx` (ids and mask -> its states), and `prefill.onnx`
+  / `decode.onnx` for the decoder over the encoder's states, with its self-attention and cross-attention caches.
 
 Beside the graphs: `config.json`, the tokenizer's files, `onnx_export.json` (what each graph takes and returns, and the
-generation ids) and, for a causal LM, `ort_generate.py`: `OnnxGenerator(folder).generate(prompts, max_new_tokens)`,
-greedy decoding of a padded batch with onnxruntime and numpy alone (no torch). Verification runs that same code.
+generation ids) and, for the models that generate, `ort_generate.py`: `OnnxGenerator(folder).generate(prompts,
+max_new_tokens)`, greedy decoding of a padded batch with onnxruntime and numpy alone (no torch). Verification runs
+that same code.
 `quantize="int8"` stores MatMul weights as int8 per output channel (onnxruntime's dynamic quantization), `"int4"` as
-4-bit blocks of 32 (`MatMulNBits`); activations stay float32. The encoder-decoder has no ONNX export yet: refused.
+4-bit blocks of 32 (`MatMulNBits`); activations stay float32.
 """
 
 import json
@@ -42,6 +45,8 @@ ENCODER_CLASSES = (
     "TfmForQuestionAnswering",
     "TfmForMaskedLM",
 )
+GENERATORS = ("TfmForCausalLM", "TfmForConditionalGeneration")  # exported as graphs that decode with a KV cache
+TAKES = ("TfmForCausalLM", "TfmForConditionalGeneration", "the encoder heads")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
@@ -57,23 +62,21 @@ def _import_exporters():
 
 
 def onnx_blockers(config: TfmConfig | TfmSeq2SeqConfig, traces_sliding: bool | None = None) -> list[str]:
-    """Empty when the ONNX export takes `config`: every decoder and encoder config traces; the encoder-decoder is not
-    exported yet, nor sliding layers where transformers' exporter does not trace them (`traces_sliding`: whether it
-    does; None: the installed release's answer)."""
-    if isinstance(config, TfmSeq2SeqConfig):
-        return [f"{RUNTIME}: the encoder-decoder (TfmSeq2SeqConfig) has no ONNX export yet"]
-    out = []
+    """Empty when the ONNX export takes `config`: every decoder, encoder and encoder-decoder config traces, except
+    sliding layers in a decoder where transformers' exporter does not trace them (`traces_sliding`: whether it does;
+    None: the installed release's answer)."""
     if traces_sliding is None:
         traces_sliding = _traces_sliding_layers()
-    if config.is_causal and "sliding_attention" in config.layer_types and not traces_sliding:
+    decoder = config.decoder if isinstance(config, TfmSeq2SeqConfig) else config
+    if decoder.is_causal and "sliding_attention" in decoder.layer_types and not traces_sliding:
         import transformers
 
-        out.append(
+        return [
             f"{RUNTIME}: `layer_types` has sliding layers, and transformers {transformers.__version__}'s exporter "
             "traces the sliding cache's cut to the window into the graph (decoding past the window breaks); releases "
             "whose exporter traces it as a full layer with a sliding mask (5.24 does) take it"
-        )
-    return out
+        ]
+    return []
 
 
 def _traces_sliding_layers() -> bool:
@@ -100,17 +103,18 @@ def _load(model_or_folder: Any) -> tuple[torch.nn.Module, str | None]:
         blocked = onnx_blockers(config)
         if blocked:
             raise ValueError(f"{folder}: {'; '.join(blocked)}.")
-        architecture = (getattr(config, "architectures", None) or ["TfmForCausalLM"])[0]
+        default = "TfmForConditionalGeneration" if isinstance(config, TfmSeq2SeqConfig) else "TfmForCausalLM"
+        architecture = (getattr(config, "architectures", None) or [default])[0]
         model_class = getattr(modeling, architecture, None)
-        if model_class is None or architecture not in ("TfmForCausalLM", *ENCODER_CLASSES):
-            raise ValueError(f"{folder}: ONNX export takes TfmForCausalLM and the encoder heads, not {architecture}.")
+        if model_class is None or architecture not in (*GENERATORS, *ENCODER_CLASSES):
+            raise ValueError(f"{folder}: ONNX export takes {', '.join(TAKES)}, not {architecture}.")
         return model_class.from_pretrained(folder).eval(), str(folder)
     name = type(model_or_folder).__name__
-    blocked = onnx_blockers(getattr(model_or_folder, "config", None))
+    if name not in (*GENERATORS, *ENCODER_CLASSES):
+        raise ValueError(f"ONNX export takes {', '.join(TAKES)}, not {name}.")
+    blocked = onnx_blockers(model_or_folder.config)
     if blocked:
         raise ValueError("; ".join(blocked) + ".")
-    if name not in ("TfmForCausalLM", *ENCODER_CLASSES):
-        raise ValueError(f"ONNX export takes TfmForCausalLM and the encoder heads, not {name}.")
     return model_or_folder.eval(), getattr(model_or_folder, "name_or_path", None) or None
 
 
@@ -127,12 +131,20 @@ def _sample_batch(config: TfmConfig) -> dict[str, torch.Tensor]:
 
 
 def _components(model: torch.nn.Module, generation: bool) -> dict[str, Any]:
-    """name -> traced ONNX program (`torch.onnx.ONNXProgram`)."""
+    """name -> traced ONNX program (`torch.onnx.ONNXProgram`, or an onnx_ir model from transformers 5.23 on)."""
     exporter_class, config_class = _import_exporters()
     exporter = exporter_class()
-    sample = _sample_batch(model.config)
+    seq2seq = isinstance(model.config, TfmSeq2SeqConfig)
+    sample = _sample_batch(model.config.encoder if seq2seq else model.config)
     options = config_class(dynamic=True)
+    programs = {}
     with torch.no_grad():
+        if seq2seq:
+            # The encoder runs once per batch, outside the decoder's graphs (which read its states). Two decoder
+            # tokens in the capture keep the decoder's length and its cache length dynamic (sizes of 1 specialise).
+            programs["encoder"] = exporter.export(model.get_encoder(), sample, options)
+            start = model.config.decoder_start_token_id
+            sample = {**sample, "decoder_input_ids": torch.tensor([[start, sample["input_ids"][1, -1]]] * 2)}
         if generation:
             from transformers import GenerationConfig
 
@@ -143,10 +155,14 @@ def _components(model: torch.nn.Module, generation: bool) -> dict[str, Any]:
             exported = exporter.export_for_generation(model, sample, options, generation_config=capture)
         else:
             exported = exporter.export(model, sample, options)
-    # transformers 5.23+ returns an ExportedModel; 5.16-5.22 the programs themselves (a dict for generation).
-    if hasattr(exported, "components"):
-        return {name: component.program for name, component in exported.components.items()}
-    return exported if isinstance(exported, dict) else {"model": exported}
+    return {**{name: _unwrap(result)["model"] for name, result in programs.items()}, **_unwrap(exported)}
+
+
+def _unwrap(result: Any) -> dict[str, Any]:
+    """name -> program: transformers 5.23+ returns an ExportedModel, 5.16-5.22 the program (a dict for generation)."""
+    if hasattr(result, "components"):
+        return {name: component.program for name, component in result.components.items()}
+    return result if isinstance(result, dict) else {"model": result}
 
 
 def _io(path: Path) -> dict[str, list[str]]:
@@ -156,7 +172,8 @@ def _io(path: Path) -> dict[str, list[str]]:
     return {"inputs": [i.name for i in session.get_inputs()], "outputs": [o.name for o in session.get_outputs()]}
 
 
-STEP_INPUTS = ("input_ids", "attention_mask", "position_ids")
+# What the runner feeds each step; the other inputs are the cache (and constants of the empty cache)
+STEP_INPUTS = ("input_ids", "attention_mask", "position_ids", "decoder_input_ids", "encoder_outputs.last_hidden_state")
 
 
 def _prefill_constants(inputs: list[str], config: TfmConfig) -> dict[str, int]:
@@ -229,7 +246,7 @@ def export_onnx(
         raise ValueError(f"quantize={quantize!r}: ONNX weight types written here are {list(TYPES)}.")
     _import_exporters()
     model, source = _load(model_or_folder)
-    generation = type(model).__name__ == "TfmForCausalLM"
+    generation = type(model).__name__ in GENERATORS
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -248,7 +265,7 @@ def export_onnx(
             )
         config = model.config
         manifest.update(
-            num_hidden_layers=config.num_hidden_layers,
+            decoder_start_token_id=getattr(config, "decoder_start_token_id", None),
             pad_token_id=config.pad_token_id,
             bos_token_id=config.bos_token_id,
             eos_token_id=config.eos_token_id,
@@ -283,7 +300,8 @@ import onnxruntime
 
 
 class OnnxGenerator:
-    """Greedy decoding over an hf_tfm ONNX export (prefill.onnx + decode.onnx), with onnxruntime and numpy alone."""
+    """Greedy decoding over an hf_tfm ONNX export, with onnxruntime and numpy alone: a causal LM's prefill.onnx and
+    decode.onnx, or an encoder-decoder's encoder.onnx, prefill.onnx and decode.onnx."""
 
     def __init__(self, folder, threads=None):
         folder = Path(folder)
@@ -295,40 +313,59 @@ class OnnxGenerator:
             name: onnxruntime.InferenceSession(str(folder / part["file"]), options, providers=["CPUExecutionProvider"])
             for name, part in self.manifest["components"].items()
         }
+        self.seq2seq = "encoder" in self.sessions
 
-    def _feed(self, name, ids, mask, positions, cache=()):
+    def _feed(self, name, values, cache=()):
+        """Run one graph on `values` (by input name) and the cache; its logits and the new cache, layer by layer."""
         part = self.manifest["components"][name]
-        values = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
         constants = part.get("constants", {})  # what an empty cache holds (a sliding layer's window)
-        cached = [n for n in part["inputs"] if n not in values and n not in constants]  # the cache, layer by layer
+        cached = [n for n in part["inputs"] if n not in values and n not in constants]
         feed = {n: values[n] for n in part["inputs"] if n in values}
         feed.update({n: np.array(v, dtype=np.int64) for n, v in constants.items()})
         feed.update(zip(cached, cache, strict=True))
-        logits, *cache = self.sessions[name].run(None, feed)
-        return logits, cache
+        outputs = dict(zip(part["outputs"], self.sessions[name].run(None, feed), strict=True))
+        return outputs["logits"], [x for n, x in outputs.items() if ".layers." in n]
 
-    def prefill(self, prompts):
-        """Left-pad `prompts` (lists of ids) into a batch; its logits (B, T, V), the cache and the mask."""
+    def _batch(self, prompts, left):
         pad = self.manifest["pad_token_id"] or 0
         length = max(len(p) for p in prompts)
-        ids = np.array([[pad] * (length - len(p)) + list(p) for p in prompts], dtype=np.int64)
-        mask = np.array([[0] * (length - len(p)) + [1] * len(p) for p in prompts], dtype=np.int64)
+        fill = [[pad] * (length - len(p)) for p in prompts]
+        ids = [f + list(p) if left else list(p) + f for f, p in zip(fill, prompts)]
+        mask = [[0] * len(f) + [1] * len(p) if left else [1] * len(p) + [0] * len(f) for f, p in zip(fill, prompts)]
+        return np.array(ids, dtype=np.int64), np.array(mask, dtype=np.int64)
+
+    def prefill(self, prompts, decoder=None):
+        """`prompts` (lists of ids) as one padded batch: the logits (B, T, V), the cache and the state decoding needs.
+        An encoder-decoder encodes them and reads `decoder` (the start token when None)."""
+        if self.seq2seq:
+            ids, mask = self._batch(prompts, left=False)
+            (hidden,) = self.sessions["encoder"].run(None, {"input_ids": ids, "attention_mask": mask})
+            start = [[self.manifest["decoder_start_token_id"]]] * len(prompts)
+            state = {"attention_mask": mask, "encoder_outputs.last_hidden_state": hidden}
+            logits, cache = self._feed("prefill", {**state, "decoder_input_ids": np.array(decoder or start)}, ())
+            return logits, cache, state
+        ids, mask = self._batch(prompts, left=True)
         positions = np.where(mask == 0, 1, mask.cumsum(-1) - 1)  # as generate() numbers them
-        logits, cache = self._feed("prefill", ids, mask, positions)
-        return logits, cache, mask
+        logits, cache = self._feed("prefill", {"input_ids": ids, "attention_mask": mask, "position_ids": positions})
+        return logits, cache, {"attention_mask": mask}
 
     def generate(self, prompts, max_new_tokens, suppress=()):
         """Greedy continuations of `prompts`, `max_new_tokens` each (`suppress`: ids never chosen, e.g. EOS)."""
-        logits, cache, mask = self.prefill(prompts)
+        logits, cache, state = self.prefill(prompts)
         new = []
         for _ in range(max_new_tokens):
             step = logits[:, -1].copy()
             step[:, list(suppress)] = -np.inf
             token = step.argmax(-1)[:, None].astype(np.int64)  # (B, 1)
             new.append(token)
-            positions = mask.sum(-1, keepdims=True)  # the next position of each sequence, padding not counted
-            mask = np.concatenate([mask, np.ones_like(token)], axis=1)
-            logits, cache = self._feed("decode", token, mask, positions, cache)
+            if self.seq2seq:  # the encoder's states and mask stay; the decoder's positions come from its cache
+                values = {**state, "decoder_input_ids": token}
+            else:
+                mask = state["attention_mask"]
+                positions = mask.sum(-1, keepdims=True)  # the next position of each sequence, padding not counted
+                state = {"attention_mask": np.concatenate([mask, np.ones_like(token)], axis=1)}
+                values = {**state, "input_ids": token, "position_ids": positions}
+            logits, cache = self._feed("decode", values, cache)
         return np.concatenate(new, axis=1).tolist()
 
 
@@ -354,7 +391,11 @@ def run(args):
         return run_encoder(args)
     generator = OnnxGenerator(args["path"], threads=args.get("threads"))
     tokens = generator.generate(args["prompts"], args["max_new_tokens"], args["suppress"])
-    logits = [generator.prefill([reference])[0][0] for reference in args["references"]]
+    if generator.seq2seq:  # the reference decoder sequences after each source
+        pairs = zip(args["prompts"], args["references"], strict=True)
+        logits = [generator.prefill([prompt], decoder=[reference])[0][0] for prompt, reference in pairs]
+    else:
+        logits = [generator.prefill([reference])[0][0] for reference in args["references"]]
     return {"tokens": tokens, "logits": [x.tolist() for x in logits]}
 '''
 
@@ -386,10 +427,11 @@ def verify_onnx(
     max_new_tokens: int = 32,
     fresh_process: bool = True,
 ) -> dict[str, Any]:
-    """Run an ONNX export of a causal LM in ONNX Runtime (in a fresh process that imports no torch, unless
-    `fresh_process=False`) and compare it with the hf_tfm model: greedy tokens of all prompts decoded as one padded
-    batch against `generate()` on each prompt alone (EOS suppressed on both sides), and the prefill logits on hf_tfm's
-    greedy sequences. Returns `tokens_equal`, `agreement`, `max_logit_diff`, `weights`, `prompts`, `max_new_tokens`."""
+    """Run an ONNX export in ONNX Runtime (in a fresh process that imports no torch, unless `fresh_process=False`)
+    and compare it with the hf_tfm model. A causal LM or encoder-decoder: greedy tokens of all prompts decoded as one
+    padded batch against `generate()` on each prompt alone (EOS suppressed on both sides), and the prefill logits on
+    hf_tfm's greedy sequences; returns `tokens_equal`, `agreement`, `max_logit_diff`, `weights`, `prompts`,
+    `max_new_tokens`. An encoder: each output on the padded batch (`outputs`, `max_diff`)."""
     exported = Path(exported).resolve()
     manifest = json.loads((exported / MANIFEST).read_text())
     model, source = _load(model_or_folder)
@@ -406,7 +448,8 @@ def verify_onnx(
         prompts = [tokenizer(text)["input_ids"] for text in texts]
     if manifest["architecture"] in ENCODER_CLASSES:
         return _verify_encoder(exported, model, prompts, manifest, fresh_process)
-    references = []
+    seq2seq = manifest["architecture"] == "TfmForConditionalGeneration"
+    references, ours = [], []
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.tensor([prompt])
@@ -419,7 +462,9 @@ def verify_onnx(
                 pad_token_id=config.pad_token_id,
             )
             references.append(out[0].tolist())
-        ours = [model(torch.tensor([ref])).logits[0].float() for ref in references]
+            # The logits of the greedy sequence: after the prompt, or (encoder-decoder) of the decoder over the source
+            inputs = {"input_ids": ids, "decoder_input_ids": out} if seq2seq else {"input_ids": out}
+            ours.append(model(**inputs).logits[0].float())
     eos = config.eos_token_id
     args = {
         "path": str(exported),
@@ -430,7 +475,8 @@ def verify_onnx(
         "threads": torch.get_num_threads(),
     }
     theirs = _ort_side(args, fresh_process)
-    ref_tokens = [ref[len(p) :] for ref, p in zip(references, prompts, strict=True)]
+    # The new tokens: after the prompt, or after the decoder's start token
+    ref_tokens = [ref[1 if seq2seq else len(p) :] for ref, p in zip(references, prompts, strict=True)]
     equal = sum(a == b for r, t in zip(ref_tokens, theirs["tokens"], strict=True) for a, b in zip(r, t, strict=True))
     total = sum(len(r) for r in ref_tokens)
     diff = max(float((a - torch.tensor(b)).abs().max()) for a, b in zip(ours, theirs["logits"], strict=True))
