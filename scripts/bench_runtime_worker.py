@@ -3,7 +3,8 @@
 Two OpenMP runtimes in one process slow each other (CTranslate2 next to torch slowed torch 1.7-2.4x here), so this
 script imports only the runtime it times: torch for hf_tfm, onnxruntime + numpy for ONNX, ctranslate2 for CTranslate2.
 It reads a JSON request on stdin (`format`, `path`, `prompts`, `new`, `rounds`, `threads`) and prints, as JSON, the
-median seconds of `new` greedy tokens and of 1 (the prefill alone), timed alternately round after round.
+median seconds of `new` greedy tokens and of 1 (the prefill alone), timed alternately round after round; with
+`"mode": "score"` (`scripts/quality.py --runtimes`) it scores the export's next-token predictions on `blocks` instead.
 """
 
 import json
@@ -53,8 +54,49 @@ def _ctranslate2(path: str, prompts: list[list[int]], threads: int):
 RUNNERS = {"hf_tfm": _hf_tfm, "onnx": _onnx, "ctranslate2": _ctranslate2}
 
 
+def score(request: dict) -> dict:
+    """`scripts/quality.py --runtimes`: the export's logits on `blocks` (equal-length id lists): the summed next-token
+    loss, the number of predictions and how many argmaxes equal `reference` (fp32's, per block)."""
+    import numpy as np
+
+    path, blocks = request["path"], request["blocks"]
+    if request["format"] == "onnx":
+        sys.path.insert(0, path)
+        from ort_generate import OnnxGenerator
+
+        generator = OnnxGenerator(path, threads=request["threads"])
+
+        def logits(batch: list[list[int]]) -> np.ndarray:
+            return generator.prefill(batch)[0]
+
+    else:
+        import ctranslate2
+
+        generator = ctranslate2.Generator(path, device="cpu", compute_type="default", intra_threads=request["threads"])
+        with open(os.path.join(path, "vocabulary.json"), encoding="utf-8") as file:
+            vocabulary = json.load(file)
+
+        def logits(batch: list[list[int]]) -> np.ndarray:
+            return np.asarray(generator.forward_batch([[vocabulary[i] for i in ids] for ids in batch]))
+
+    nll, count, agree = 0.0, 0, 0
+    for i in range(0, len(blocks), 8):
+        batch = blocks[i : i + 8]
+        x = logits(batch)[:, :-1].astype(np.float64)  # (B, T-1, V)
+        targets = np.array(batch)[:, 1:]
+        x = x - x.max(-1, keepdims=True)
+        log_probs = x - np.log(np.exp(x).sum(-1, keepdims=True))
+        nll -= np.take_along_axis(log_probs, targets[..., None], -1).sum()
+        count += targets.size
+        agree += int((x.argmax(-1) == np.array(request["reference"][i : i + 8])).sum())
+    return {"nll": float(nll), "count": count, "agree": agree}
+
+
 def main() -> None:
     request = json.loads(sys.stdin.read())
+    if request.get("mode") == "score":
+        print(json.dumps(score(request)))
+        return
     run = RUNNERS[request["format"]](request["path"], request["prompts"], request["threads"])
     run(request["new"])  # warm-up: kernels, allocations, caches
     times: dict[str, list[float]] = {"full": [], "prefill": []}

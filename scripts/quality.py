@@ -89,16 +89,70 @@ def score(model, blocks: list[list[int]], reference: list[torch.Tensor] | None, 
     return result
 
 
+# `--runtimes`: the same fp32 folder exported to each runtime and scored there (ONNX Runtime and CTranslate2 in a
+# process of their own, through scripts/bench_runtime_worker.py); GGUF files read back by transformers' GGUF loader,
+# which dequantizes them: the cost of llama.cpp's weight rounding, computed in PyTorch.
+RUNTIME_SETTINGS = {
+    "onnx_float32": ("onnx", None, "ONNX Runtime, float32 graphs"),
+    "onnx_int8": ("onnx", "int8", "ONNX Runtime, int8 MatMul weights per channel"),
+    "onnx_int4": ("onnx", "int4", "ONNX Runtime, int4 MatMulNBits, blocks of 32"),
+    "ct2_float32": ("ctranslate2", None, "CTranslate2, float32"),
+    "ct2_int8": ("ctranslate2", "int8", "CTranslate2, int8 weights"),
+    "gguf_q8_0": ("gguf", "q8_0", "GGUF Q8_0 weights (dequantized by transformers' GGUF loader)"),
+    "gguf_q4_0": ("gguf", "q4_0", "GGUF Q4_0 weights (dequantized by transformers' GGUF loader)"),
+}
+
+
+def score_runtime(setting: str, folder: str, blocks: list[list[int]], fp32: dict, threads: int) -> dict:
+    """Perplexity and greedy agreement of `setting`'s export of `folder`, as `score` reports them."""
+    import subprocess
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_tfm.exporters import export
+
+    fmt, quantize, _ = RUNTIME_SETTINGS[setting]
+    out = export(folder, os.path.join(folder, f"export-{setting}"), format=fmt, quantize=quantize)
+    if fmt == "gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(out.parent), gguf_file=out.name, dtype=torch.float32)
+        return score(model.eval(), blocks, fp32["argmax"])
+    reference = [row for batch in fp32["argmax"] for row in batch.tolist()]
+    request = {"mode": "score", "format": fmt, "path": str(out), "blocks": blocks, "reference": reference}
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_runtime_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    done = subprocess.run(
+        [sys.executable, worker],
+        input=json.dumps({**request, "threads": threads}),
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "the worker failed")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    perplexity = math.exp(result["nll"] / result["count"])
+    return {"perplexity": perplexity, "greedy_agreement": result["agree"] / result["count"]}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="small", choices=list(SIZES))
     p.add_argument("--steps", type=int, default=600, help="training steps (batch 16 x --seq-len)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--settings", default="all", help=f"comma list of {','.join(DECODE_SETTINGS)}, or all")
+    p.add_argument(
+        "--runtimes",
+        default=None,
+        help=f"also score exports to other runtimes (comma list of {','.join(RUNTIME_SETTINGS)}, or all)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
-    settings = list(DECODE_SETTINGS) if args.settings == "all" else args.settings.split(",")
+    settings = list(DECODE_SETTINGS) if args.settings == "all" else [x for x in args.settings.split(",") if x]
+    runtimes = list(RUNTIME_SETTINGS) if args.runtimes == "all" else [x for x in (args.runtimes or "").split(",") if x]
+    if bad := set(runtimes) - set(RUNTIME_SETTINGS):
+        p.error(f"unknown runtimes {sorted(bad)}")
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
@@ -114,6 +168,18 @@ def main(argv: list[str] | None = None) -> dict:
             row = {"setting": setting, "what": DECODE_SETTINGS[setting][2]}
             try:
                 result = score(load_setting(TfmForCausalLM, folder, setting), blocks, fp32["argmax"])
+            except Exception as err:  # reported, as the bench reports it
+                row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
+            else:
+                row["perplexity"] = result["perplexity"]
+                row["perplexity_vs_fp32"] = result["perplexity"] / fp32["perplexity"] - 1
+                row["greedy_agreement"] = result["greedy_agreement"]
+            rows.append(row)
+        for setting in runtimes:
+            print(f"[quality] {setting} ...", file=sys.stderr, flush=True)
+            row = {"setting": setting, "what": RUNTIME_SETTINGS[setting][2]}
+            try:
+                result = score_runtime(setting, folder, blocks, fp32, args.threads)
             except Exception as err:  # reported, as the bench reports it
                 row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
             else:

@@ -126,6 +126,27 @@ def test_quality_script_tiny(tmp_path):
     assert json.loads((tmp_path / "q.json").read_text())["markdown"] == out["markdown"]
 
 
+def test_quality_script_scores_runtime_exports_tiny(tmp_path):
+    """`--runtimes`: the same fp32 folder exported and scored in ONNX Runtime, CTranslate2 and (dequantized) GGUF;
+    a float32 export scores as fp32 does, a quantized one differs."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("ctranslate2")
+    quality = load_script(BENCH.parent / "quality.py", "hf_tfm_quality")
+    threads = torch.get_num_threads()
+    argv = ["--size", "tiny", "--steps", "3", "--threads", "1", "--settings", "fp32"]
+    try:
+        out = quality.main([*argv, "--runtimes", "ct2_float32,onnx_int8,gguf_q8_0"])
+    finally:
+        torch.set_num_threads(threads)
+    rows = {r["setting"]: r for r in out["results"]}
+    assert list(rows) == ["fp32", "ct2_float32", "onnx_int8", "gguf_q8_0"]
+    assert all("error" not in r for r in rows.values()), rows
+    assert rows["ct2_float32"]["perplexity"] == pytest.approx(out["fp32"]["perplexity"], rel=1e-4)
+    assert rows["ct2_float32"]["greedy_agreement"] == 1
+    for name in ("onnx_int8", "gguf_q8_0"):
+        assert rows[name]["perplexity"] != out["fp32"]["perplexity"] and 0.5 < rows[name]["greedy_agreement"] <= 1
+
+
 @pytest.mark.slow
 def test_bench_decode_settings_compiled_tiny(tmp_path):
     """A `+compile` setting decodes with a static cache and compiled generate() on both sides; fp32 (the reference

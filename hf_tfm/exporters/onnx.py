@@ -15,8 +15,9 @@ Beside the graphs: `config.json`, the tokenizer's files, `onnx_export.json` (wha
 generation ids) and, for the models that generate, `ort_generate.py`: `OnnxGenerator(folder).generate(prompts,
 max_new_tokens)`, greedy decoding of a padded batch with onnxruntime and numpy alone (no torch). Verification runs
 that same code.
-`quantize="int8"` stores MatMul weights as int8 per output channel (onnxruntime's dynamic quantization), `"int4"` as
-4-bit blocks of 32 (`MatMulNBits`); activations stay float32.
+`quantize="int8"` stores MatMul weights as int8 per output channel and quantizes their inputs to 8 bits on the fly
+(onnxruntime's dynamic quantization: integer matmuls); `"int4"` stores them as 4-bit blocks of 32 (`MatMulNBits`)
+and keeps float32 activations.
 """
 
 import json
@@ -33,7 +34,7 @@ import torch
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
 
 RUNTIME = "ONNX Runtime"
-# --quantize value -> what is stored for MatMul weights (activations stay float32)
+# --quantize value -> what is stored for MatMul weights
 TYPES = {"float32": "float32", "int8": "int8 per output channel (dynamic quantization)", "int4": "int4, blocks of 32"}
 MANIFEST = "onnx_export.json"
 RUNNER = "ort_generate.py"  # written beside a causal LM's graphs: `OnnxGenerator`, onnxruntime and numpy only
@@ -200,7 +201,8 @@ def _save(program: Any, path: Path) -> None:
 
 
 def _quantize(path: Path, quantize: str) -> None:
-    """Rewrite `path` with its MatMul weights in `quantize`; activations stay float32."""
+    """Rewrite `path` with its MatMul weights in `quantize` (int8: dynamic quantization, whose integer matmuls also
+    round their inputs to 8 bits per call; int4: weight-only)."""
     import onnx
 
     target = path.with_name(f".{path.name}.q")
