@@ -10,6 +10,8 @@ MATRIX ?= 5.16.1 5.19.0
 VENV := .venv$(if $(TRANSFORMERS),-transformers-$(TRANSFORMERS))
 STAMP := $(VENV)/.installed
 PIN := $(if $(TRANSFORMERS),"transformers==$(TRANSFORMERS)")
+COMMA := ,
+# The newest release's environment also gets ExecuTorch (tests/test_export_executorch.py; it skips elsewhere).
 
 .PHONY: demo test test-matrix matrix-env lint env
 
@@ -19,7 +21,7 @@ $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q "$(TORCH)"
-	$(VENV)/bin/python -m pip install -q -e ".[dev]" $(PIN)
+	$(VENV)/bin/python -m pip install -q -e ".[dev$(if $(TRANSFORMERS),,$(COMMA)executorch)]" $(PIN)
 	$(VENV)/bin/python -c "import transformers as t; v = '$(TRANSFORMERS)'; \
 		assert not v or t.__version__ == v, f'transformers {t.__version__} installed, {v} asked'"
 	touch $(STAMP)

