@@ -57,6 +57,7 @@ import torch
 
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
 from ..convert.core import export_blockers, need
+from ._common import TOKENIZER_FILES, prompt_ids, staged_folder, token_agreement
 
 RUNTIME = "CTranslate2"
 # --quantize value -> what CTranslate2's own quantization (`Converter.convert`) does with the weights. Norms, biases
@@ -85,17 +86,6 @@ ACTIVATIONS = {
 # RoPE types whose frequencies CTranslate2 computes as transformers does: linear divides positions by the factor,
 # llama3 rescales the frequencies once. dynamic, yarn and longrope (CTranslate2's "su" differs) are not computed.
 ROPE_TYPES = ("default", "linear", "llama3")
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "vocab.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-)
 INSTALL_HINT = (
     'CTranslate2 export needs the `ctranslate2` package: pip install ctranslate2 (or pip install "hf-tfm[export]")'
 )
@@ -512,22 +502,9 @@ def export_ctranslate2(
         spec.config.layer_norm_epsilon = float(decoder.norm_eps)  # the encoder's is the same (blockers)
         return spec
 
-    # Written beside `out` and renamed at the end: a failed export leaves nothing.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    try:
+    with staged_folder(out) as tmp:  # an earlier export (checked above) is replaced once the new one is complete
         _converter(ct2, build).convert(str(tmp), quantization=qtype, force=True)
         save_tokenizer(tmp)
-        if out.exists():  # an earlier export (checked above): out of the way, then deleted once the new one is in
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            os.replace(out, old / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -627,14 +604,8 @@ def verify_ctranslate2(
     model, source = _load(model_or_folder)
     config = model.config
     seq2seq = isinstance(config, TfmSeq2SeqConfig)
-    if prompts is None or (prompts and isinstance(prompts[0], str)):
-        from transformers import AutoTokenizer
-
-        texts = prompts or ["def main():\n    ", 'import os\nimport sys\n\n\nclass Config:\n    """Return the']
-        own = source is not None and (Path(source) / "tokenizer.json").is_file()
-        tokenizer = AutoTokenizer.from_pretrained(source if own else folder)  # else the copy in the export
-        prompts = [tokenizer(text)["input_ids"] for text in texts]
-    prompts = [list(map(int, prompt)) for prompt in prompts]
+    own = source is not None and (Path(source) / "tokenizer.json").is_file()
+    prompts = prompt_ids(prompts, source if own else folder)  # texts: else through the export's copy
     references, ours = [], []
     with torch.no_grad():
         for prompt in prompts:
@@ -665,15 +636,10 @@ def verify_ctranslate2(
     }
     theirs = _ct2_side(args, fresh_process)
     ref_tokens = [ref[1 if seq2seq else len(p) :] for ref, p in zip(references, prompts, strict=True)]
-    equal = sum(
-        a == b for r, t in zip(ref_tokens, theirs["tokens"], strict=True) for a, b in zip(r, t, strict=False)
-    )  # a short sequence counts its missing tokens as unequal
-    total = sum(len(r) for r in ref_tokens)
     diff = max(float((a - torch.tensor(b)).abs().max()) for a, b in zip(ours, theirs["logits"], strict=True))
     return {
         "compute_type": theirs["compute_type"],
-        "tokens_equal": ref_tokens == theirs["tokens"],
-        "agreement": equal / total if total else 1.0,
+        **token_agreement(ref_tokens, theirs["tokens"]),
         "max_logit_diff": diff,
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,

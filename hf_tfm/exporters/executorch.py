@@ -23,7 +23,6 @@ the data-dependent routing of the eager path does not export: E / k times the FF
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
+from ._common import copy_tokenizer, prompt_ids, staged_folder, token_agreement
 
 RUNTIME = "ExecuTorch"
 # --quantize value -> what is stored (activations too): float32 only for now
@@ -47,7 +47,6 @@ INSTALL_HINT = 'ExecuTorch export needs executorch: pip install "hf-tfm[executor
 MAX_CACHE_LEN = 1024  # the cap on the program's KV cache (memory is allocated for all of it)
 # rope types that rebuild their frequencies from the sequence length at run time (`dynamic_rope_update`)
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 def _import_executorch():
@@ -207,21 +206,6 @@ def _lower(model: torch.nn.Module, max_cache_len: int) -> Any:
         return to_edge_transform_and_lower(exported, partitioner=[partitioner_class()]).to_executorch()
 
 
-def _copy_tokenizer(source: str | None, tokenizer: Any, folder: Path) -> None:
-    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer.save_pretrained(folder)
-        return
-    where = Path(tokenizer) if tokenizer is not None else (Path(source) if source else None)
-    if where is None:
-        return
-    if where.is_file():  # a tokenizer.json
-        shutil.copy(where, folder / "tokenizer.json")
-        return
-    for name in TOKENIZER_FILES:
-        if (where / name).is_file():
-            shutil.copy(where / name, folder / name)
-
-
 def _write_program(program: Any, path: Path) -> None:
     with open(path, "wb") as file:
         program.write_to_file(file)  # streamed: `.buffer` would hold the whole program in memory first
@@ -240,9 +224,7 @@ def export_executorch(
     config = model.config
     max_cache_len = max_cache_length(config)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_folder(out) as tmp:
         _write_program(_lower(model, max_cache_len), tmp / PROGRAM)
         import executorch
 
@@ -263,19 +245,9 @@ def export_executorch(
             "executorch_version": getattr(executorch, "__version__", None),
         }
         config.save_pretrained(tmp)
-        _copy_tokenizer(source, tokenizer, tmp)
+        copy_tokenizer(source, tokenizer, tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         (tmp / RUNNER).write_text(_ET_SIDE.lstrip())
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            os.replace(out, old / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -376,14 +348,7 @@ def verify_executorch(
     manifest = json.loads((exported / MANIFEST).read_text())
     model, source = _load(model_or_folder)
     config = model.config
-    if prompts is None or (prompts and isinstance(prompts[0], str)):
-        from transformers import AutoTokenizer
-
-        if source is None:
-            raise ValueError("text prompts need the model's folder (its tokenizer): pass token ids.")
-        texts = prompts or ["def main():\n    ", 'import os\nimport sys\n\n\nclass Config:\n    """Return the']
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        prompts = [tokenizer(text)["input_ids"] for text in texts]
+    prompts = prompt_ids(prompts, source)
     limit = manifest["max_cache_len"]
     for prompt in prompts:
         if len(prompt) + max_new_tokens > limit:
@@ -415,8 +380,6 @@ def verify_executorch(
     }
     theirs = _et_side(args, fresh_process)
     ref_tokens = [ref[len(p) :] for ref, p in zip(references, prompts, strict=True)]
-    equal = sum(a == b for r, t in zip(ref_tokens, theirs["tokens"], strict=True) for a, b in zip(r, t, strict=True))
-    total = sum(len(r) for r in ref_tokens)
     diff = max(float((a - b).abs().max()) for a, b in zip(ours, theirs["logits"], strict=True))
     for prompt, mine, steps, expected, got in zip(
         prompts, ours, theirs["steps"], ref_tokens, theirs["tokens"], strict=True
@@ -428,8 +391,7 @@ def verify_executorch(
         diff = max(diff, float((mine[start : start + count] - steps[:count]).abs().max()))
     return {
         "weights": manifest["weights"],
-        "tokens_equal": ref_tokens == theirs["tokens"],
-        "agreement": equal / total if total else 1.0,
+        **token_agreement(ref_tokens, theirs["tokens"]),
         "max_logit_diff": diff,
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,

@@ -27,6 +27,7 @@ import torch
 
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
 from ..convert.core import export_blockers, need
+from ._common import prompt_ids, token_agreement
 
 RUNTIME = "llama.cpp"
 ARCHITECTURES = ("llama", "qwen2", "gpt2")
@@ -506,14 +507,7 @@ def verify_gguf(
     gguf_file = Path(gguf_file).resolve()
     model, source = _load(model_or_folder)
     config = model.config
-    if prompts is None or (prompts and isinstance(prompts[0], str)):
-        from transformers import AutoTokenizer
-
-        if source is None:
-            raise ValueError("text prompts need the model's folder (its tokenizer): pass token ids.")
-        texts = prompts or ["def main():\n    ", 'import os\nimport sys\n\n\nclass Config:\n    """Return the']
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        prompts = [tokenizer(text)["input_ids"] for text in texts]
+    prompts = prompt_ids(prompts, source)
     reader = gguf.GGUFReader(gguf_file)
     arch = _arch_of(reader)
     file_type = int(reader.fields["general.file_type"].parts[-1][0])
@@ -542,15 +536,12 @@ def verify_gguf(
     }
     theirs = _gguf_side(args, fresh_process)
     ref_tokens = [ref[len(p) :] for ref, p in zip(references, prompts, strict=True)]
-    equal = sum(a == b for r, t in zip(ref_tokens, theirs["tokens"], strict=True) for a, b in zip(r, t, strict=True))
-    total = sum(len(r) for r in ref_tokens)
     diff = max(float((a - b).abs().max()) for a, b in zip(ours, theirs["logits"], strict=True))
     return {
         "architecture": arch,
         "file_type": gguf.LlamaFileType(file_type).name,
         "class": theirs["class"],
-        "tokens_equal": ref_tokens == theirs["tokens"],
-        "agreement": equal / total if total else 1.0,
+        **token_agreement(ref_tokens, theirs["tokens"]),
         "max_logit_diff": diff,
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,

@@ -22,7 +22,6 @@ and keeps float32 activations.
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
+from ._common import copy_tokenizer, prompt_ids, staged_folder, token_agreement
 
 RUNTIME = "ONNX Runtime"
 # --quantize value -> what is stored for MatMul weights
@@ -48,7 +48,6 @@ ENCODER_CLASSES = (
 )
 GENERATORS = ("TfmForCausalLM", "TfmForConditionalGeneration")  # exported as graphs that decode with a KV cache
 TAKES = ("TfmForCausalLM", "TfmForConditionalGeneration", "the encoder heads")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 def _import_exporters():
@@ -223,21 +222,6 @@ def _quantize(path: Path, quantize: str) -> None:
     onnx.save(model, path, save_as_external_data=True, location=f"{path.name}.data")
 
 
-def _copy_tokenizer(source: str | None, tokenizer: Any, folder: Path) -> None:
-    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer.save_pretrained(folder)
-        return
-    where = Path(tokenizer) if tokenizer is not None else (Path(source) if source else None)
-    if where is None:
-        return
-    if where.is_file():  # a tokenizer.json
-        shutil.copy(where, folder / "tokenizer.json")
-        return
-    for name in TOKENIZER_FILES:
-        if (where / name).is_file():
-            shutil.copy(where / name, folder / name)
-
-
 def export_onnx(
     model_or_folder: Any, out: str | os.PathLike, quantize: str | None = None, tokenizer: Any = None
 ) -> Path:
@@ -250,9 +234,7 @@ def export_onnx(
     model, source = _load(model_or_folder)
     generation = type(model).__name__ in GENERATORS
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_folder(out) as tmp:
         components = _components(model, generation)
         manifest: dict[str, Any] = {"architecture": type(model).__name__, "weights": qtype, "components": {}}
         for name, program in components.items():
@@ -273,20 +255,10 @@ def export_onnx(
             eos_token_id=config.eos_token_id,
         )
         config.save_pretrained(tmp)
-        _copy_tokenizer(source, tokenizer, tmp)
+        copy_tokenizer(source, tokenizer, tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         if generation:
             (tmp / RUNNER).write_text(_ORT_SIDE.lstrip())
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            os.replace(out, old / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -440,14 +412,7 @@ def verify_onnx(
     if type(model).__name__ != manifest["architecture"]:
         raise ValueError(f"{exported} is a {manifest['architecture']} export, the model a {type(model).__name__}.")
     config = model.config
-    if prompts is None or (prompts and isinstance(prompts[0], str)):
-        from transformers import AutoTokenizer
-
-        if source is None:
-            raise ValueError("text prompts need the model's folder (its tokenizer): pass token ids.")
-        texts = prompts or ["def main():\n    ", 'import os\nimport sys\n\n\nclass Config:\n    """Return the']
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        prompts = [tokenizer(text)["input_ids"] for text in texts]
+    prompts = prompt_ids(prompts, source)
     if manifest["architecture"] in ENCODER_CLASSES:
         return _verify_encoder(exported, model, prompts, manifest, fresh_process)
     seq2seq = manifest["architecture"] == "TfmForConditionalGeneration"
@@ -479,13 +444,10 @@ def verify_onnx(
     theirs = _ort_side(args, fresh_process)
     # The new tokens: after the prompt, or after the decoder's start token
     ref_tokens = [ref[1 if seq2seq else len(p) :] for ref, p in zip(references, prompts, strict=True)]
-    equal = sum(a == b for r, t in zip(ref_tokens, theirs["tokens"], strict=True) for a, b in zip(r, t, strict=True))
-    total = sum(len(r) for r in ref_tokens)
     diff = max(float((a - torch.tensor(b)).abs().max()) for a, b in zip(ours, theirs["logits"], strict=True))
     return {
         "weights": manifest["weights"],
-        "tokens_equal": ref_tokens == theirs["tokens"],
-        "agreement": equal / total if total else 1.0,
+        **token_agreement(ref_tokens, theirs["tokens"]),
         "max_logit_diff": diff,
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
