@@ -26,6 +26,23 @@ SIZES = {
 CYCLE = [5 + (7 * i) % 60 for i in range(60)]  # a fixed 60-token cycle: token t is always followed by the same one
 PROMPTS = [[1, *CYCLE[3:9]], [1, *CYCLE[20:45]]]  # <s> + 6 tokens, <s> + 25 tokens
 NEW_TOKENS = 32
+# The blocks the export tests share: GPT-2's (learned positions, LayerNorm, tanh-GELU MLP, biases), and a post-norm one
+GPT2_BLOCK = {
+    "position_embedding_type": "learned",
+    "norm_type": "layernorm",
+    "norm_eps": 1e-5,
+    "ffn_type": "mlp",
+    "hidden_act": "gelu_new",
+    "attention_bias": True,
+    "mlp_bias": True,
+}
+POST_NORM_LEARNED = {
+    "position_embedding_type": "learned",
+    "norm_position": "post",
+    "norm_type": "layernorm",
+    "ffn_type": "mlp",
+    "hidden_act": "gelu",
+}
 
 
 def config_of(**overrides):

@@ -12,7 +12,17 @@ import json
 import pytest
 import torch
 from conftest import tiny_seq2seq_config
-from export_models import NEW_TOKENS, PROMPTS, VOCAB, config_of, saved, train_tokenizer, trained, trained_seq2seq
+from export_models import (
+    GPT2_BLOCK,
+    NEW_TOKENS,
+    PROMPTS,
+    VOCAB,
+    config_of,
+    saved,
+    train_tokenizer,
+    trained,
+    trained_seq2seq,
+)
 
 from hf_tfm import TfmForCausalLM, TfmForConditionalGeneration
 from hf_tfm.exporters import blockers, export, format_of, quantize_types, verify
@@ -22,15 +32,7 @@ from hf_tfm.exporters.ctranslate2 import ctranslate2_blockers, export_ctranslate
 ctranslate2 = pytest.importorskip("ctranslate2")
 
 GQA_UNTIED = {"num_key_value_heads": 2, "tie_word_embeddings": False}
-LEARNED_LN = {  # GPT-2's block
-    "position_embedding_type": "learned",
-    "norm_type": "layernorm",
-    "norm_eps": 1e-5,
-    "ffn_type": "mlp",
-    "hidden_act": "gelu_new",
-    "attention_bias": True,
-    "mlp_bias": True,
-}
+LEARNED_LN = GPT2_BLOCK  # GPT-2's block
 SINUSOIDAL = {
     "position_embedding_type": "sinusoidal",
     "norm_type": "layernorm",
@@ -83,8 +85,10 @@ FAMILIES = {
     "token-types-rope": {"type_vocab_size": 2},
 }
 FP32_TOLERANCE = 5e-5
-# int8 (run as int8_float32 on CPU) greedy agreement measured on these 2 prompts x 32 tokens: 1.0 for every family but
-# gpt2 (0.89) and token-types-rope (0.97); the largest logit difference 0.05 to 0.26.
+# int8 (run as int8_float32 on CPU), on these 2 prompts x 32 tokens: the largest logit difference 0.05 to 0.26. Its
+# greedy agreement depends on the CPU's int8 kernels (on a Xeon 1.0 for every family but gpt2 0.89 and
+# token-types-rope 0.97; on an AMD EPYC token-types-rope 0.48: one flipped step changes the rest of its sequence),
+# so the check is the teacher-forced top-1 agreement on hf_tfm's greedy sequences, which one flip cannot cascade.
 INT8_AGREEMENT, INT8_TOLERANCE = 0.85, 0.5
 
 
@@ -104,9 +108,9 @@ def test_float32_is_exact_and_int8_agrees(overrides, tmp_path, tokenizer):
     assert report["tokens_equal"] and report["max_logit_diff"] < FP32_TOLERANCE
     path = export_ctranslate2(model, tmp_path / "int8", quantize="int8", tokenizer=tokenizer)
     report = verify_ctranslate2(path, model, prompts=PROMPTS, max_new_tokens=NEW_TOKENS, fresh_process=False)
-    print(f"int8: agreement {report['agreement']:.1%}, max logit diff {report['max_logit_diff']:.3g}")
+    print(f"int8: {report}")
     assert report["compute_type"].startswith("int8")
-    assert report["agreement"] >= INT8_AGREEMENT and report["max_logit_diff"] < INT8_TOLERANCE
+    assert report["forced_agreement"] >= INT8_AGREEMENT and report["max_logit_diff"] < INT8_TOLERANCE
 
 
 # The other types on GQA untied, largest logit difference measured: int8_float32 0.18 (as int8), int16 0.078, float16
@@ -120,7 +124,7 @@ def test_other_types_agree_within_tolerance(qtype, tmp_path, tokenizer):
     path = export_ctranslate2(model, tmp_path / qtype, quantize=qtype, tokenizer=tokenizer)
     report = verify_ctranslate2(path, model, prompts=PROMPTS, max_new_tokens=NEW_TOKENS, fresh_process=False)
     print(f"{qtype}: {report}")
-    assert report["max_logit_diff"] < OTHER_TYPES[qtype] and report["agreement"] >= 0.9
+    assert report["max_logit_diff"] < OTHER_TYPES[qtype] and report["forced_agreement"] >= 0.9
 
 
 def test_quantized_export_leaves_the_model_alone(tmp_path, tokenizer):
@@ -257,7 +261,8 @@ SEQ2SEQ_FAMILIES = {
 }
 
 
-# int8 measured: greedy agreement 1.0 for every family, largest logit difference 0.11 to 0.24.
+# int8 measured: largest logit difference 0.11 to 0.24; greedy agreement 1.0 for every family on a Xeon, 0.5 for two
+# on an AMD EPYC (one early flip), so the check is the teacher-forced agreement, as for causal LMs.
 @pytest.mark.parametrize(("encoder", "decoder", "top"), list(SEQ2SEQ_FAMILIES.values()), ids=list(SEQ2SEQ_FAMILIES))
 def test_seq2seq_float32_is_exact_and_int8_agrees(encoder, decoder, top, tmp_path, tokenizer):
     model = trained_seq2seq(encoder, decoder, **top)
@@ -271,8 +276,8 @@ def test_seq2seq_float32_is_exact_and_int8_agrees(encoder, decoder, top, tmp_pat
     assert report["tokens_equal"] and report["max_logit_diff"] < FP32_TOLERANCE
     path = export_ctranslate2(model, tmp_path / "int8", quantize="int8", tokenizer=tokenizer)
     report = verify_ctranslate2(path, model, prompts=PROMPTS, max_new_tokens=NEW_TOKENS, fresh_process=False)
-    print(f"int8: agreement {report['agreement']:.1%}, max logit diff {report['max_logit_diff']:.3g}")
-    assert report["agreement"] >= INT8_AGREEMENT and report["max_logit_diff"] < INT8_TOLERANCE
+    print(f"int8: {report}")
+    assert report["forced_agreement"] >= INT8_AGREEMENT and report["max_logit_diff"] < INT8_TOLERANCE
 
 
 def test_seq2seq_folder_round_trip_in_a_fresh_process(tmp_path, tokenizer):

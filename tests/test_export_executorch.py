@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build, tiny_config, tiny_seq2seq_config
-from export_models import NEW_TOKENS, PROMPTS, config_of, saved, train_tokenizer, trained
+from export_models import NEW_TOKENS, POST_NORM_LEARNED, PROMPTS, config_of, saved, train_tokenizer, trained
 
 import hf_tfm
 
@@ -30,13 +30,7 @@ GQA = {"num_key_value_heads": 2}
 DECODERS = {
     "llama-gqa": GQA,
     "alibi": {"position_embedding_type": "alibi"},
-    "gpt2-post-norm": {
-        "position_embedding_type": "learned",
-        "norm_position": "post",
-        "norm_type": "layernorm",
-        "ffn_type": "mlp",
-        "hidden_act": "gelu",
-    },
+    "gpt2-post-norm": POST_NORM_LEARNED,
     # Sliding layers here too (one export less): the prompts and their 32 new tokens run far past the window of 8.
     "sinusoidal-parallel-qk-norm-sliding": {
         "position_embedding_type": "sinusoidal",

@@ -1,8 +1,13 @@
 """What the runtime exporters share: a folder written beside its destination, the tokenizer's files, the verifying
-prompts and the greedy-token comparison."""
+prompts, hf_tfm's greedy references, the runtime's side of a verification (in a fresh process) and the greedy-token
+comparison."""
 
+import json
 import os
+import pickle
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -81,3 +86,93 @@ def token_agreement(reference: list[list[int]], theirs: list[list[int]]) -> dict
     total = sum(len(r) for r in reference)
     equal = sum(a == b for r, t in zip(reference, theirs, strict=True) for a, b in zip(r, t, strict=False))
     return {"tokens_equal": reference == theirs, "agreement": equal / total if total else 1.0}
+
+
+def eos_ids(config: Any) -> list[int]:
+    """The config's end-of-sequence ids as a list (empty when it has none): what verification suppresses."""
+    eos = config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def greedy_references(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """hf_tfm's greedy `generate()` on each prompt alone, exactly `max_new_tokens` new tokens (EOS suppressed until
+    then): the sequences a runtime's tokens and logits are checked against. A causal LM's start with the prompt, an
+    encoder-decoder's with the decoder's start token."""
+    import torch
+
+    references = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                pad_token_id=model.config.pad_token_id,
+            )
+            references.append(out[0].tolist())
+    return references
+
+
+def new_tokens(references: list[list[int]], prompts: list[list[int]], seq2seq: bool) -> list[list[int]]:
+    """The generated part of each reference: after the prompt, or (encoder-decoder) after the decoder's start."""
+    return [ref[1 if seq2seq else len(prompt) :] for ref, prompt in zip(references, prompts, strict=True)]
+
+
+def run_side(
+    source: str,
+    args: dict[str, Any],
+    fresh_process: bool,
+    runtime: str,
+    blocked: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> Any:
+    """`run(args)` of the program `source`: the runtime's side of a verification.
+
+    In a fresh interpreter by default, where each module in `blocked` cannot be imported (what runs is what a
+    deployment without it runs) and no OpenMP runtime but the runtime's own is loaded (two in one process slow each
+    other down); `args` go in as JSON on stdin, the result comes back pickled (lists, or tensors where the side has
+    torch). `fresh_process=False` runs it here. A failing side raises `RuntimeError` naming `runtime` and its error.
+    """
+    if not fresh_process:
+        namespace: dict = {}
+        exec(source, namespace)
+        return namespace["run"](args)
+    with tempfile.TemporaryDirectory(prefix="hf_tfm_verify_") as tmp:
+        result_file = Path(tmp) / "result.pkl"
+        block = "".join(f"sys.modules[{name!r}] = None\n" for name in blocked)
+        code = (
+            f"import sys\n{block}{source}\nimport json as _json, pickle as _pickle\n"
+            f"with open({str(result_file)!r}, 'wb') as _file:\n"
+            "    _pickle.dump(run(_json.loads(sys.stdin.read())), _file)\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            input=json.dumps(args),
+            capture_output=True,
+            text=True,
+            env=None if env is None else {**os.environ, **env},
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{runtime} failed on {args['path']}: {done.stderr.strip()[-2000:]}")
+        with result_file.open("rb") as file:
+            return pickle.load(file)  # written just now by our own child process
+
+
+def forced_agreement(ours: list, theirs: list, prompts: list[list[int]], seq2seq: bool, max_new_tokens: int) -> float:
+    """The share of the generated positions where the runtime's most likely token is hf_tfm's, both reading hf_tfm's
+    greedy sequence (teacher-forced): unlike the greedy `agreement`, one flipped near-tie does not also count every
+    later token of its sequence as unequal. `ours` / `theirs`: each reference's logits (T, V), from its first row
+    (a causal LM's start with the prompt's, an encoder-decoder's with the decoder start token's)."""
+    import torch
+
+    equal = total = 0
+    for mine, other, prompt in zip(ours, theirs, prompts, strict=True):
+        start = 0 if seq2seq else len(prompt) - 1  # the row that chose the first new token
+        rows = slice(start, start + max_new_tokens)
+        equal += int((mine[rows].argmax(-1) == torch.as_tensor(other)[rows].argmax(-1)).sum())
+        total += max_new_tokens
+    return equal / total if total else 1.0

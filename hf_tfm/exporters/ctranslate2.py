@@ -46,9 +46,6 @@ the hf_tfm model.
 import json
 import os
 import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +54,17 @@ import torch
 
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
 from ..convert.core import export_blockers, need
-from ._common import TOKENIZER_FILES, prompt_ids, staged_folder, token_agreement
+from ._common import (
+    TOKENIZER_FILES,
+    eos_ids,
+    forced_agreement,
+    greedy_references,
+    new_tokens,
+    prompt_ids,
+    run_side,
+    staged_folder,
+    token_agreement,
+)
 
 RUNTIME = "CTranslate2"
 # --quantize value -> what CTranslate2's own quantization (`Converter.convert`) does with the weights. Norms, biases
@@ -563,25 +570,6 @@ def run(args):
 """
 
 
-def _ct2_side(args: dict, fresh_process: bool) -> dict:
-    if not fresh_process:
-        namespace: dict = {}
-        exec(_CT2_SIDE, namespace)
-        return namespace["run"](args)
-    with tempfile.TemporaryDirectory(prefix="hf_tfm_ct2_verify_") as tmp:
-        result_file = Path(tmp) / "result.json"
-        code = (
-            f"{_CT2_SIDE}\nimport sys\nargs = json.loads(sys.stdin.read())\n"
-            f"with open({str(result_file)!r}, 'w') as f:\n    json.dump(run(args), f)\n"
-        )
-        done = subprocess.run(
-            [sys.executable, "-c", code], input=json.dumps(args), capture_output=True, text=True, check=False
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{RUNTIME} failed on {args['path']}: {done.stderr.strip()[-2000:]}")
-        return json.loads(result_file.read_text())
-
-
 def verify_ctranslate2(
     exported: str | os.PathLike,
     model_or_folder: Any,
@@ -606,40 +594,30 @@ def verify_ctranslate2(
     seq2seq = isinstance(config, TfmSeq2SeqConfig)
     own = source is not None and (Path(source) / "tokenizer.json").is_file()
     prompts = prompt_ids(prompts, source if own else folder)  # texts: else through the export's copy
-    references, ours = [], []
+    references = greedy_references(model, prompts, max_new_tokens)
+    ours = []
     with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                pad_token_id=config.pad_token_id,
-            )
-            reference = out[0].tolist()  # the prompt, or (seq2seq) the decoder start token, then the new tokens
-            references.append(reference)
+        for prompt, reference in zip(prompts, references, strict=True):
             if seq2seq:  # the logits that chose each new token
-                logits = model(input_ids=ids, decoder_input_ids=torch.tensor([reference[:-1]])).logits
+                inputs = {"input_ids": torch.tensor([prompt]), "decoder_input_ids": torch.tensor([reference[:-1]])}
             else:
-                logits = model(torch.tensor([reference])).logits
-            ours.append(logits[0].float())
-    eos = config.eos_token_id
+                inputs = {"input_ids": torch.tensor([reference])}
+            ours.append(model(**inputs).logits[0].float())
     args = {
         "path": str(folder),
         "seq2seq": seq2seq,
         "prompts": prompts,
         "references": references,
         "max_new_tokens": max_new_tokens,
-        "end_ids": [] if eos is None else list(eos) if isinstance(eos, list) else [eos],
+        "end_ids": eos_ids(config),
     }
-    theirs = _ct2_side(args, fresh_process)
-    ref_tokens = [ref[1 if seq2seq else len(p) :] for ref, p in zip(references, prompts, strict=True)]
+    theirs = run_side(_CT2_SIDE, args, fresh_process, RUNTIME)
+    ref_tokens = new_tokens(references, prompts, seq2seq)
     diff = max(float((a - torch.tensor(b)).abs().max()) for a, b in zip(ours, theirs["logits"], strict=True))
     return {
         "compute_type": theirs["compute_type"],
         **token_agreement(ref_tokens, theirs["tokens"]),
+        "forced_agreement": forced_agreement(ours, theirs["logits"], prompts, seq2seq, max_new_tokens),
         "max_logit_diff": diff,
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,

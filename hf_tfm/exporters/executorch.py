@@ -23,9 +23,6 @@ the data-dependent routing of the eager path does not export: E / k times the FF
 
 import json
 import os
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,7 +32,17 @@ from typing import Any
 import torch
 
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
-from ._common import copy_tokenizer, prompt_ids, staged_folder, token_agreement
+from ._common import (
+    copy_tokenizer,
+    eos_ids,
+    forced_agreement,
+    greedy_references,
+    new_tokens,
+    prompt_ids,
+    run_side,
+    staged_folder,
+    token_agreement,
+)
 
 RUNTIME = "ExecuTorch"
 # --quantize value -> what is stored (activations too): float32 only for now
@@ -311,27 +318,6 @@ def run(args):
 '''
 
 
-def _et_side(args: dict, fresh_process: bool) -> dict:
-    if not fresh_process:
-        namespace: dict = {}
-        exec(_ET_SIDE, namespace)
-        return namespace["run"](args)
-    with tempfile.TemporaryDirectory(prefix="hf_tfm_executorch_verify_") as tmp:
-        result_file = Path(tmp) / "result.pt"
-        # transformers and hf_tfm are blocked there: what runs is what a deployment with executorch alone runs (its
-        # runtime imports torch itself, so torch stays).
-        code = (
-            f"import sys\nsys.modules['transformers'] = None\nsys.modules['hf_tfm'] = None\n{_ET_SIDE}\n"
-            f"args = json.loads(sys.stdin.read())\ntorch.save(run(args), {str(result_file)!r})\n"
-        )
-        done = subprocess.run(
-            [sys.executable, "-c", code], input=json.dumps(args), capture_output=True, text=True, check=False
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"ExecuTorch failed on {args['path']}: {done.stderr.strip()[-2000:]}")
-        return torch.load(result_file)
-
-
 def verify_executorch(
     exported: str | os.PathLike,
     model_or_folder: Any,
@@ -347,7 +333,6 @@ def verify_executorch(
     exported = Path(exported).resolve()
     manifest = json.loads((exported / MANIFEST).read_text())
     model, source = _load(model_or_folder)
-    config = model.config
     prompts = prompt_ids(prompts, source)
     limit = manifest["max_cache_len"]
     for prompt in prompts:
@@ -356,30 +341,20 @@ def verify_executorch(
                 f"a prompt of {len(prompt)} tokens and {max_new_tokens} new ones exceed the export's "
                 f"max_cache_len={limit}."
             )
-    references = []
+    references = greedy_references(model, prompts, max_new_tokens)
     with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                pad_token_id=config.pad_token_id,
-            )
-            references.append(out[0].tolist())
         ours = [model(torch.tensor([ref])).logits[0].float() for ref in references]
-    eos = config.eos_token_id
     args = {
         "path": str(exported),
-        "prompts": [list(map(int, p)) for p in prompts],
+        "prompts": prompts,
         "references": references,
         "max_new_tokens": max_new_tokens,
-        "suppress": [] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        "suppress": eos_ids(model.config),
     }
-    theirs = _et_side(args, fresh_process)
-    ref_tokens = [ref[len(p) :] for ref, p in zip(references, prompts, strict=True)]
+    # transformers and hf_tfm are blocked there: what runs is what a deployment with executorch alone runs (its
+    # runtime imports torch itself, so torch stays)
+    theirs = run_side(_ET_SIDE, args, fresh_process, RUNTIME, blocked=("transformers", "hf_tfm"))
+    ref_tokens = new_tokens(references, prompts, seq2seq=False)
     diff = max(float((a - b).abs().max()) for a, b in zip(ours, theirs["logits"], strict=True))
     for prompt, mine, steps, expected, got in zip(
         prompts, ours, theirs["steps"], ref_tokens, theirs["tokens"], strict=True
@@ -392,6 +367,7 @@ def verify_executorch(
     return {
         "weights": manifest["weights"],
         **token_agreement(ref_tokens, theirs["tokens"]),
+        "forced_agreement": forced_agreement(ours, theirs["logits"], prompts, False, max_new_tokens),
         "max_logit_diff": diff,
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,

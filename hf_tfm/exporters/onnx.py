@@ -22,16 +22,23 @@ and keeps float32 activations.
 
 import json
 import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
-from ._common import copy_tokenizer, prompt_ids, staged_folder, token_agreement
+from ._common import (
+    copy_tokenizer,
+    eos_ids,
+    forced_agreement,
+    greedy_references,
+    new_tokens,
+    prompt_ids,
+    run_side,
+    staged_folder,
+    token_agreement,
+)
 
 RUNTIME = "ONNX Runtime"
 # --quantize value -> what is stored for MatMul weights
@@ -375,23 +382,8 @@ def run(args):
 
 
 def _ort_side(args: dict, fresh_process: bool) -> dict:
-    if not fresh_process:
-        namespace: dict = {}
-        exec(_ORT_SIDE, namespace)
-        return namespace["run"](args)
-    with tempfile.TemporaryDirectory(prefix="hf_tfm_onnx_verify_") as tmp:
-        result_file = Path(tmp) / "result.json"
-        # torch is blocked there: what runs is what a deployment without PyTorch runs.
-        code = (
-            f"import sys\nsys.modules['torch'] = None\n{_ORT_SIDE}\nargs = json.loads(sys.stdin.read())\n"
-            f"Path({str(result_file)!r}).write_text(json.dumps(run(args)))\n"
-        )
-        done = subprocess.run(
-            [sys.executable, "-c", code], input=json.dumps(args), capture_output=True, text=True, check=False
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"ONNX Runtime failed on {args['path']}: {done.stderr.strip()[-2000:]}")
-        return json.loads(result_file.read_text())
+    # torch is blocked there: what runs is what a deployment without PyTorch runs
+    return run_side(_ORT_SIDE, args, fresh_process, RUNTIME, blocked=("torch",))
 
 
 def verify_onnx(
@@ -416,38 +408,29 @@ def verify_onnx(
     if manifest["architecture"] in ENCODER_CLASSES:
         return _verify_encoder(exported, model, prompts, manifest, fresh_process)
     seq2seq = manifest["architecture"] == "TfmForConditionalGeneration"
-    references, ours = [], []
+    references = greedy_references(model, prompts, max_new_tokens)
+    ours = []
     with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                pad_token_id=config.pad_token_id,
-            )
-            references.append(out[0].tolist())
+        for prompt, reference in zip(prompts, references, strict=True):
             # The logits of the greedy sequence: after the prompt, or (encoder-decoder) of the decoder over the source
-            inputs = {"input_ids": ids, "decoder_input_ids": out} if seq2seq else {"input_ids": out}
+            out = torch.tensor([reference])
+            inputs = {"input_ids": torch.tensor([prompt]), "decoder_input_ids": out} if seq2seq else {"input_ids": out}
             ours.append(model(**inputs).logits[0].float())
-    eos = config.eos_token_id
     args = {
         "path": str(exported),
-        "prompts": [list(map(int, p)) for p in prompts],
+        "prompts": prompts,
         "references": references,
         "max_new_tokens": max_new_tokens,
-        "suppress": [] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        "suppress": eos_ids(config),
         "threads": torch.get_num_threads(),
     }
     theirs = _ort_side(args, fresh_process)
-    # The new tokens: after the prompt, or after the decoder's start token
-    ref_tokens = [ref[1 if seq2seq else len(p) :] for ref, p in zip(references, prompts, strict=True)]
+    ref_tokens = new_tokens(references, prompts, seq2seq)
     diff = max(float((a - torch.tensor(b)).abs().max()) for a, b in zip(ours, theirs["logits"], strict=True))
     return {
         "weights": manifest["weights"],
         **token_agreement(ref_tokens, theirs["tokens"]),
+        "forced_agreement": forced_agreement(ours, theirs["logits"], prompts, seq2seq, max_new_tokens),
         "max_logit_diff": diff,
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
