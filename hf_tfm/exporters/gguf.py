@@ -7,18 +7,18 @@ keeps each architecture from it:
   llama.cpp rotates adjacent pairs, hf_tfm halves (rotate-half), so q/k rows are permuted as llama.cpp's converter
   does (and transformers' GGUF loader undoes).
 * `qwen2`: the same block with q/k/v biases and `heads * head_dim == hidden`; RoPE in the halves layout (no permute).
+* `qwen3`: the llama block with an RMSNorm of each head's queries and keys before RoPE (`qk_norm`, head scope), any
+  `head_dim`, no biases; RoPE in the halves layout (no permute).
 * `gpt2`: learned positions, LayerNorm, GELU MLP (tanh approximation, llama.cpp's only GELU), biases everywhere.
   Exact through transformers' loader; llama.cpp's CPU GELU reads an fp16 table, so its own logits are near (~1e-3).
 
 The folder's byte-level BPE tokenizer goes in as llama.cpp's "gpt2" vocabulary with the GPT-2 pre-tokenizer (hf_tfm
 trains with GPT-2's regex), so llama.cpp tokenizes as hf_tfm does. `verify_gguf` loads a written file back through
-transformers' own GGUF loader (an in-tree Llama / Qwen2 / GPT-2) and compares logits and greedy tokens.
+transformers' own GGUF loader (an in-tree Llama / Qwen2 / Qwen3 / GPT-2) and compares logits and greedy tokens.
 """
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -27,10 +27,10 @@ import torch
 
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
 from ..convert.core import export_blockers, need
-from ._common import prompt_ids, token_agreement
+from ._common import forced_agreement, greedy_references, new_tokens, prompt_ids, run_side, token_agreement
 
 RUNTIME = "llama.cpp"
-ARCHITECTURES = ("llama", "qwen2", "gpt2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2")
 # --quantize value -> (GGMLQuantizationType name for 2-D weights, LlamaFileType name for general.file_type)
 TYPES = {
     "f32": ("F32", "ALL_F32"),
@@ -41,8 +41,8 @@ TYPES = {
 }
 QUANT_BLOCK = 32  # Q8_0 / Q4_0 quantize runs of 32 values along the last dimension
 # RoPE scaling types the llama.cpp graph computes as transformers does: linear is its `freq_scale`, llama3 its
-# `rope_freqs` factors. dynamic (recomputed per length) and longrope have no llama/qwen2 form; yarn is not checked.
-ROPE_TYPES = {"llama": ("default", "linear", "llama3"), "qwen2": ("default", "linear")}
+# `rope_freqs` factors. dynamic (recomputed per length) and longrope have no llama/qwen form; yarn is not checked.
+ROPE_TYPES = {"llama": ("default", "linear", "llama3"), "qwen2": ("default", "linear"), "qwen3": ("default", "linear")}
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # ggml's GELU is the tanh approximation
 INSTALL_HINT = 'GGUF export needs the `gguf` package: pip install gguf (or pip install "hf-tfm[export]")'
 
@@ -60,7 +60,7 @@ def _import_gguf():
 
 
 def _common_blockers(config: TfmConfig, arch: str, out: list[str]) -> None:
-    """What none of the three llama.cpp graphs computes."""
+    """What none of the llama.cpp graphs written here computes (qk-norm: only qwen3's)."""
     family = f"{RUNTIME} {arch}"
     need(config, out, family, "is_causal", True, "True (a decoder)")
     need(config, out, family, "add_cross_attention", False)
@@ -70,7 +70,12 @@ def _common_blockers(config: TfmConfig, arch: str, out: list[str]) -> None:
     need(config, out, family, "first_layer_attn_norm", True)
     need(config, out, family, "embedding_norm", False)
     need(config, out, family, "parallel_residual", False)
-    need(config, out, family, "qk_norm", False)
+    if arch == "qwen3":
+        need(config, out, family, "qk_norm", True, "True (its q/k norms are always there)")
+        if config.qk_norm:
+            need(config, out, family, "qk_norm_scope", "head", "'head' (its q/k norms act per head)")
+    else:
+        need(config, out, family, "qk_norm", False)
     need(config, out, family, "type_vocab_size", 0)
     need(config, out, family, "embedding_scale", 1.0, "1.0 (it scales no embeddings)")
     need(config, out, family, "lm_head_bias", False)
@@ -103,7 +108,7 @@ def _llama_blockers(config: TfmConfig, arch: str) -> list[str]:
     need(config, out, family, "hidden_act", "silu")
     need(config, out, family, "mlp_bias", False)
     need(config, out, family, "attention_out_bias", False)
-    if arch == "llama":
+    if arch in ("llama", "qwen3"):
         need(config, out, family, "attention_bias", False)
     else:
         need(config, out, family, "attention_bias", True, "True (q/k/v biases)")
@@ -137,6 +142,7 @@ def gguf_architecture_blockers(config: TfmConfig | TfmSeq2SeqConfig) -> dict[str
     return {
         "llama": _llama_blockers(config, "llama"),
         "qwen2": _llama_blockers(config, "qwen2"),
+        "qwen3": _llama_blockers(config, "qwen3"),
         "gpt2": _gpt2_blockers(config),
     }
 
@@ -231,6 +237,9 @@ def _tensors(model: torch.nn.Module, arch: str) -> dict[str, torch.Tensor]:
         if arch == "qwen2":
             for name in "qkv":
                 out[f"{blk}attn_{name}.bias"] = state[f"{layer}self_attn.{name}_proj.bias"]
+        if arch == "qwen3":  # (head_dim,) RMSNorm weights, shared by the heads
+            out[blk + "attn_q_norm.weight"] = state[layer + "self_attn.q_norm.weight"]
+            out[blk + "attn_k_norm.weight"] = state[layer + "self_attn.k_norm.weight"]
         out[blk + "attn_output.weight"] = state[layer + "self_attn.o_proj.weight"]
         out[blk + "attn_norm.weight"] = state[layer + "attn_norm.weight"]
         out[blk + "ffn_norm.weight"] = state[layer + "mlp_norm.weight"]
@@ -468,26 +477,6 @@ def run(args):
 """
 
 
-def _gguf_side(args: dict, fresh_process: bool) -> dict:
-    if not fresh_process:
-        namespace: dict = {}
-        exec(_GGUF_SIDE, namespace)
-        return namespace["run"](args)
-    with tempfile.TemporaryDirectory(prefix="hf_tfm_gguf_verify_") as tmp:
-        result_file = Path(tmp) / "result.pt"
-        code = (
-            f"{_GGUF_SIDE}\nimport json, sys\nargs = json.loads(sys.stdin.read())\n"
-            f"torch.save(run(args), {str(result_file)!r})\n"
-        )
-        env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}  # a local file: no Hub
-        done = subprocess.run(
-            [sys.executable, "-c", code], input=json.dumps(args), capture_output=True, text=True, env=env, check=False
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"transformers' GGUF loader failed on {args['path']}: {done.stderr.strip()[-2000:]}")
-        return torch.load(result_file)
-
-
 def verify_gguf(
     gguf_file: str | os.PathLike,
     model_or_folder: Any,
@@ -512,19 +501,8 @@ def verify_gguf(
     arch = _arch_of(reader)
     file_type = int(reader.fields["general.file_type"].parts[-1][0])
     overrides = _loader_overrides(reader, config, model)
-    references = []
+    references = greedy_references(model, prompts, max_new_tokens)
     with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                pad_token_id=config.pad_token_id,
-            )
-            references.append(out[0].tolist())
         ours = [model(torch.tensor([ref])).logits[0].float() for ref in references]
     args = {
         "path": str(gguf_file),
@@ -534,14 +512,17 @@ def verify_gguf(
         "pad_token_id": config.pad_token_id,
         "overrides": overrides,
     }
-    theirs = _gguf_side(args, fresh_process)
-    ref_tokens = [ref[len(p) :] for ref, p in zip(references, prompts, strict=True)]
+    # a local file: no Hub
+    env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    theirs = run_side(_GGUF_SIDE, args, fresh_process, "transformers' GGUF loader", env=env)
+    ref_tokens = new_tokens(references, prompts, seq2seq=False)
     diff = max(float((a - b).abs().max()) for a, b in zip(ours, theirs["logits"], strict=True))
     return {
         "architecture": arch,
         "file_type": gguf.LlamaFileType(file_type).name,
         "class": theirs["class"],
         **token_agreement(ref_tokens, theirs["tokens"]),
+        "forced_agreement": forced_agreement(ours, theirs["logits"], prompts, False, max_new_tokens),
         "max_logit_diff": diff,
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
@@ -567,18 +548,21 @@ def _loader_overrides(reader, config: TfmConfig, model: torch.nn.Module) -> dict
             "n_positions": _number(reader, "gpt2.context_length"),
             "n_inner": _number(reader, "gpt2.feed_forward_length"),
         }
+    # Qwen3 builds head_dim 128 (its config's default) whatever the file's key length says
+    extra = {"head_dim": int(_number(reader, "qwen3.attention.key_length"))} if arch == "qwen3" else {}
     theta = _number(reader, f"{arch}.rope.freq_base")
     if _string(reader, f"{arch}.rope.scaling.type") == "linear":
         return {
+            **extra,
             "rope_parameters": {
                 "rope_type": "linear",
                 "factor": _number(reader, f"{arch}.rope.scaling.factor"),
                 "rope_theta": theta,
-            }
+            },
         }
     tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if tensor is None:
-        return {}
+        return extra
     if config.rope_parameters["rope_type"] != "llama3":
         raise ValueError("the GGUF has rope_freqs, the model has no llama3 RoPE scaling.")
     expected = _llama3_rope_factors(config, model.model.rotary_emb.inv_freq)
