@@ -40,15 +40,22 @@ matrix-env:
 
 # The newest release (the default environment), then each pinned one, each in its own environment. The files in
 # ENDS_ONLY run on the range's ends only, the newest release and COMMON_ENDS: transformers' own common model tests
-# (about 2 minutes a release), the documentation pages' code and the runtime exports. The releases between run the
-# rest.
+# (about 2 minutes a release), the documentation pages' code and the runtime exports through transformers. The files
+# in NEWEST_ONLY run on the newest release alone: the benchmark and GPU-check scripts' own tests (tooling, whose model
+# code the other files test per release) and CTranslate2 (its export is built from the config, not by transformers).
+# The releases between run the rest without the slow tests (multi-process, end-to-end, compile): the ends run those,
+# and tests/test_cross_release.py loads checkpoints into every release's environment from both ends.
 COMMON_ENDS ?= 5.16.1
 ENDS_ONLY := tests/test_transformers_common.py tests/test_doc_pages.py tests/test_docs_reference.py \
-	tests/test_export_gguf.py tests/test_export_onnx.py tests/test_export_ctranslate2.py
+	tests/test_export_gguf.py tests/test_export_onnx.py
+NEWEST_ONLY := tests/test_bench.py tests/test_gpu_check.py tests/test_export_ctranslate2.py
 test-matrix: matrix-env
 	$(MAKE) test
 	set -e; for v in $(MATRIX); do \
-		case " $(COMMON_ENDS) " in *" $$v "*) skip="";; *) skip="$(addprefix --ignore=,$(ENDS_ONLY))";; esac; \
+		case " $(COMMON_ENDS) " in \
+			*" $$v "*) skip="$(addprefix --ignore=,$(NEWEST_ONLY))";; \
+			*) skip="$(addprefix --ignore=,$(ENDS_ONLY) $(NEWEST_ONLY)) -m 'not slow'";; \
+		esac; \
 		$(MAKE) test TRANSFORMERS=$$v ARGS="$$skip $(ARGS)"; \
 	done
 
