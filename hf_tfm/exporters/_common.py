@@ -176,3 +176,21 @@ def forced_agreement(ours: list, theirs: list, prompts: list[list[int]], seq2seq
         equal += int((mine[rows].argmax(-1) == torch.as_tensor(other)[rows].argmax(-1)).sum())
         total += max_new_tokens
     return equal / total if total else 1.0
+
+
+def agreement_report(
+    ours: list, theirs: dict, references: list[list[int]], prompts: list[list[int]], seq2seq: bool, max_new_tokens: int
+) -> dict[str, Any]:
+    """What every `verify_*` reports of the runtime's side `theirs` (its "tokens" and "logits") against hf_tfm's
+    greedy `references` and their logits `ours`: greedy and teacher-forced agreement and the largest logit
+    difference."""
+    import torch
+
+    logits = theirs["logits"]
+    return {
+        **token_agreement(new_tokens(references, prompts, seq2seq), theirs["tokens"]),
+        "forced_agreement": forced_agreement(ours, logits, prompts, seq2seq, max_new_tokens),
+        "max_logit_diff": max(float((a - torch.as_tensor(b)).abs().max()) for a, b in zip(ours, logits, strict=True)),
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+    }

@@ -56,14 +56,12 @@ from ..configuration import TfmConfig, TfmSeq2SeqConfig
 from ..convert.core import export_blockers, need
 from ._common import (
     TOKENIZER_FILES,
+    agreement_report,
     eos_ids,
-    forced_agreement,
     greedy_references,
-    new_tokens,
     prompt_ids,
     run_side,
     staged_folder,
-    token_agreement,
 )
 
 RUNTIME = "CTranslate2"
@@ -612,15 +610,9 @@ def verify_ctranslate2(
         "end_ids": eos_ids(config),
     }
     theirs = run_side(_CT2_SIDE, args, fresh_process, RUNTIME)
-    ref_tokens = new_tokens(references, prompts, seq2seq)
-    diff = max(float((a - torch.tensor(b)).abs().max()) for a, b in zip(ours, theirs["logits"], strict=True))
     return {
         "compute_type": theirs["compute_type"],
-        **token_agreement(ref_tokens, theirs["tokens"]),
-        "forced_agreement": forced_agreement(ours, theirs["logits"], prompts, seq2seq, max_new_tokens),
-        "max_logit_diff": diff,
-        "prompts": len(prompts),
-        "max_new_tokens": max_new_tokens,
+        **agreement_report(ours, theirs, references, prompts, seq2seq, max_new_tokens),
     }
 
 

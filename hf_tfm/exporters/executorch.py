@@ -33,15 +33,14 @@ import torch
 
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
 from ._common import (
+    agreement_report,
     copy_tokenizer,
     eos_ids,
-    forced_agreement,
     greedy_references,
     new_tokens,
     prompt_ids,
     run_side,
     staged_folder,
-    token_agreement,
 )
 
 RUNTIME = "ExecuTorch"
@@ -354,8 +353,9 @@ def verify_executorch(
     # transformers and hf_tfm are blocked there: what runs is what a deployment with executorch alone runs (its
     # runtime imports torch itself, so torch stays)
     theirs = run_side(_ET_SIDE, args, fresh_process, RUNTIME, blocked=("transformers", "hf_tfm"))
+    report = agreement_report(ours, theirs, references, prompts, False, max_new_tokens)
     ref_tokens = new_tokens(references, prompts, seq2seq=False)
-    diff = max(float((a - b).abs().max()) for a, b in zip(ours, theirs["logits"], strict=True))
+    diff = report["max_logit_diff"]
     for prompt, mine, steps, expected, got in zip(
         prompts, ours, theirs["steps"], ref_tokens, theirs["tokens"], strict=True
     ):
@@ -364,14 +364,7 @@ def verify_executorch(
         count = min(agree + 1, len(steps))
         start = len(prompt) - 1
         diff = max(diff, float((mine[start : start + count] - steps[:count]).abs().max()))
-    return {
-        "weights": manifest["weights"],
-        **token_agreement(ref_tokens, theirs["tokens"]),
-        "forced_agreement": forced_agreement(ours, theirs["logits"], prompts, False, max_new_tokens),
-        "max_logit_diff": diff,
-        "prompts": len(prompts),
-        "max_new_tokens": max_new_tokens,
-    }
+    return {"weights": manifest["weights"], **report, "max_logit_diff": diff}
 
 
 __all__ = [

@@ -27,7 +27,7 @@ import torch
 
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
 from ..convert.core import export_blockers, need
-from ._common import forced_agreement, greedy_references, new_tokens, prompt_ids, run_side, token_agreement
+from ._common import agreement_report, greedy_references, prompt_ids, run_side
 
 RUNTIME = "llama.cpp"
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2")
@@ -515,17 +515,11 @@ def verify_gguf(
     # a local file: no Hub
     env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
     theirs = run_side(_GGUF_SIDE, args, fresh_process, "transformers' GGUF loader", env=env)
-    ref_tokens = new_tokens(references, prompts, seq2seq=False)
-    diff = max(float((a - b).abs().max()) for a, b in zip(ours, theirs["logits"], strict=True))
     return {
         "architecture": arch,
         "file_type": gguf.LlamaFileType(file_type).name,
         "class": theirs["class"],
-        **token_agreement(ref_tokens, theirs["tokens"]),
-        "forced_agreement": forced_agreement(ours, theirs["logits"], prompts, False, max_new_tokens),
-        "max_logit_diff": diff,
-        "prompts": len(prompts),
-        "max_new_tokens": max_new_tokens,
+        **agreement_report(ours, theirs, references, prompts, False, max_new_tokens),
     }
 
 

@@ -29,15 +29,13 @@ import torch
 
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
 from ._common import (
+    agreement_report,
     copy_tokenizer,
     eos_ids,
-    forced_agreement,
     greedy_references,
-    new_tokens,
     prompt_ids,
     run_side,
     staged_folder,
-    token_agreement,
 )
 
 RUNTIME = "ONNX Runtime"
@@ -425,15 +423,9 @@ def verify_onnx(
         "threads": torch.get_num_threads(),
     }
     theirs = _ort_side(args, fresh_process)
-    ref_tokens = new_tokens(references, prompts, seq2seq)
-    diff = max(float((a - torch.tensor(b)).abs().max()) for a, b in zip(ours, theirs["logits"], strict=True))
     return {
         "weights": manifest["weights"],
-        **token_agreement(ref_tokens, theirs["tokens"]),
-        "forced_agreement": forced_agreement(ours, theirs["logits"], prompts, seq2seq, max_new_tokens),
-        "max_logit_diff": diff,
-        "prompts": len(prompts),
-        "max_new_tokens": max_new_tokens,
+        **agreement_report(ours, theirs, references, prompts, seq2seq, max_new_tokens),
     }
 
 
