@@ -40,12 +40,12 @@ FLOP/s (6 x tokens x matmul parameters + causal attention, see ``train_flops``) 
 
 Decode settings (``--decode-settings all`` or a comma list, instead of the pair tasks): the llama pair saved, then
 both sides loaded back through each weight setting of ``DECODE_SETTINGS`` (fp32, bf16 weights, and each quantization
-backend's transformers config), greedy ``generate()`` at batch 1 and 8. The ms per decode step is generate() of
-``new`` tokens minus generate() of 1 (the prefill), over ``new - 1``. The bytes of weights one step streams count
-every parameter and buffer but the embedding tables (one row each per token), in their quantized form with their
-scales. Their rate per step, divided by this machine's streaming bandwidth (``stream_bandwidth``: an fp32 GEMV over
-``BANDWIDTH_MIB``, measured in the same run), is the bandwidth fraction. A setting that fails to load or run here is
-reported with its error.
+backend's transformers config), greedy ``generate()`` at batch 1 and 8. The ms per decode step is timed inside one
+generate() of ``new`` tokens, from the prefill's token to the last one (a streamer's stamps), over ``new - 1``. The
+bytes of weights one step streams count every parameter and buffer but the embedding tables (one row each per token),
+in their quantized form with their scales. Their rate per step, divided by this machine's streaming bandwidth
+(``stream_bandwidth``: an fp32 GEMV over ``BANDWIDTH_MIB``, measured in the same run), is the bandwidth fraction. A
+setting that fails to load or run here is reported with its error.
 
 Charts (``--charts DIR``): PNGs of the run, ``speedup.png`` (in-tree time / hf_tfm time per pair and task) and, for a
 decode-settings run, ``decode_settings.png`` (ms per decode step and fraction of the streaming bandwidth per setting);
@@ -92,6 +92,9 @@ from transformers import (
 )
 
 from hf_tfm import from_hf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_runtime_worker import StepClock  # the one clock both the bench and its worker use
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Sizes and task shapes
@@ -433,15 +436,16 @@ def matmul_throughput(pair: Pair, shp: dict, dtype: torch.dtype, device: str, re
 
 
 def interleaved(steps: dict[str, callable], rounds: int) -> dict[str, list[float]]:
-    """Run the steps round by round, alternating which one goes first (A B, B A, ...)."""
+    """Run the steps round by round, alternating which one goes first (A B, B A, ...): each one's seconds, the call's
+    wall time or, where a step times itself (the decode steps inside one generate()), the float it returns."""
     names = list(steps)
     times = {n: [] for n in names}
     for r in range(rounds):
         order = names if r % 2 == 0 else names[::-1]
         for n in order:
             t0 = time.perf_counter()
-            steps[n]()
-            times[n].append(time.perf_counter() - t0)
+            took = steps[n]()
+            times[n].append(time.perf_counter() - t0 if took is None else took)
     return times
 
 
@@ -1092,8 +1096,8 @@ def _is_quantized(module: nn.Module) -> bool:
     return type(module) is not nn.Linear or type(module.weight) not in (torch.Tensor, nn.Parameter)
 
 
-def decode_setting_steps(model: nn.Module, shp: dict, vocab: int, batch: int, compiled: bool) -> dict:
-    """generate() of `new` tokens and of 1 (the prefill alone), so their difference is the decode steps alone;
+def decode_setting_step(model: nn.Module, shp: dict, vocab: int, batch: int, compiled: bool):
+    """generate() of `new` tokens, returning the seconds per decode step (timed inside the call, prefill excluded);
     `compiled`: with a static cache, whose decode steps generate() compiles at the first call (the warm-up)."""
     ids = torch.randint(3, vocab, (batch, shp["prompt"]), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
@@ -1103,14 +1107,17 @@ def decode_setting_steps(model: nn.Module, shp: dict, vocab: int, batch: int, co
         cc._compile_all_devices = True  # private flag: generate() only auto-compiles on CUDA/XPU otherwise
         extra = {"cache_implementation": "static", "compile_config": cc}
 
-    def run(new: int):
-        def step():  # generate()'s own no_grad: optimum-quanto's int4 kernel fails on inference-mode tensors
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, **extra)
-            assert out.shape == (batch, shp["prompt"] + new), out.shape
+    new = shp["new"]
 
-        return step
+    def step() -> float:  # generate()'s own no_grad: optimum-quanto's int4 kernel fails on inference-mode tensors
+        clock = StepClock()
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, streamer=clock, **extra
+        )
+        assert out.shape == (batch, shp["prompt"] + new), out.shape
+        return clock.step_seconds(new)
 
-    return {"full": run(shp["new"]), "prefill": run(1)}
+    return step
 
 
 def decode_settings(size: str, settings: list[str], args, bandwidth: dict) -> list[dict]:
@@ -1137,17 +1144,12 @@ def decode_settings(size: str, settings: list[str], args, bandwidth: dict) -> li
             try:
                 models = {side: load_setting(classes[side], folders[side], weights) for side in folders}
                 for batch in shp["decode_batches"]:
-                    steps = {}
-                    for side, model in models.items():
-                        for kind, step in decode_setting_steps(model, shp, vocab, batch, compiled).items():
-                            steps[f"{side}_{kind}"] = step
+                    steps = {side: decode_setting_step(m, shp, vocab, batch, compiled) for side, m in models.items()}
                     for s in steps.values():  # warm-up: bitsandbytes repacks its 4-bit weights, generate() compiles
                         s()
                     times = interleaved(steps, args.rounds)
                     for side in models:
-                        full = statistics.median(times[f"{side}_full"])
-                        prefill = statistics.median(times[f"{side}_prefill"])
-                        row.setdefault(side, {})[f"b{batch}_step_s"] = (full - prefill) / (shp["new"] - 1)
+                        row.setdefault(side, {})[f"b{batch}_step_s"] = statistics.median(times[side])
             except Exception as err:  # a backend that does not run here is reported, with its error
                 row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
                 rows.append(row)
@@ -1270,8 +1272,7 @@ def runtimes(size: str, args, bandwidth: dict) -> list[dict]:
                     seed = torch.Generator().manual_seed(0)
                     prompts = torch.randint(3, vocab, (batch, shp["prompt"]), generator=seed)
                     t = _time_in_process(fmt, path, prompts.tolist(), shp["new"], args.rounds, args.threads)
-                    step = (t["full"] - t["prefill"]) / (shp["new"] - 1)
-                    row[f"b{batch}_step_s"] = step
+                    row[f"b{batch}_step_s"] = step = t["step"]
                     row[f"b{batch}_bandwidth_frac"] = row["weight_bytes_per_step"] / step / bandwidth["bytes_per_s"]
             except Exception as err:  # a runtime that does not run here is reported, with its error
                 row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"

@@ -3,7 +3,7 @@
 Two OpenMP runtimes in one process slow each other (CTranslate2 next to torch slowed torch 1.7-2.4x here), so this
 script imports only the runtime it times: torch for hf_tfm, onnxruntime + numpy for ONNX, ctranslate2 for CTranslate2.
 It reads a JSON request on stdin (`format`, `path`, `prompts`, `new`, `rounds`, `threads`) and prints, as JSON, the
-median seconds of `new` greedy tokens and of 1 (the prefill alone), timed alternately round after round; with
+median seconds of one decode step (`step`) over `rounds` calls of `new` greedy tokens each; with
 `"mode": "score"` (`scripts/quality.py --runtimes`) it scores the export's next-token predictions on `blocks` instead.
 """
 
@@ -12,6 +12,28 @@ import os
 import statistics
 import sys
 import time
+
+
+class StepClock:
+    """Notes when each step's tokens arrive (as a `generate()` streamer, or a runtime's per-token callback).
+
+    The decode steps' time is the span from the prefill's token to the last one, measured inside one call: a busy
+    machine can make it long, never negative, as a difference of two separately timed calls can be."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def put(self, value) -> None:  # the streamer protocol: generate() puts the prompt first, then each step's ids
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def step_seconds(self, new: int) -> float:
+        """Seconds per decode step of a call that made `new` tokens (its last `new` stamps)."""
+        if new < 2 or len(self.stamps) < new:
+            raise ValueError(f"{len(self.stamps)} stamps for {new} new tokens: at least two tokens are needed")
+        return (self.stamps[-1] - self.stamps[-new]) / (new - 1)
 
 
 def _hf_tfm(path: str, prompts: list[list[int]], threads: int):
@@ -25,9 +47,13 @@ def _hf_tfm(path: str, prompts: list[list[int]], threads: int):
     ids = torch.tensor(prompts)
     mask = torch.ones_like(ids)
 
-    def run(new: int):
+    def run(new: int) -> float:
+        clock = StepClock()
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=clock
+            )
+        return clock.step_seconds(new)
 
     return run
 
@@ -37,7 +63,13 @@ def _onnx(path: str, prompts: list[list[int]], threads: int):
     from ort_generate import OnnxGenerator
 
     generator = OnnxGenerator(path, threads=threads)
-    return lambda new: generator.generate(prompts, new)
+
+    def run(new: int) -> float:
+        clock = StepClock()
+        generator.generate(prompts, new, on_token=clock.put)
+        return clock.step_seconds(new)
+
+    return run
 
 
 def _ctranslate2(path: str, prompts: list[list[int]], threads: int):
@@ -48,7 +80,20 @@ def _ctranslate2(path: str, prompts: list[list[int]], threads: int):
         vocabulary = json.load(file)
     tokens = [[vocabulary[i] for i in prompt] for prompt in prompts]
     greedy = {"beam_size": 1, "sampling_topk": 1, "include_prompt_in_result": False}
-    return lambda new: generator.generate_batch(tokens, max_length=new, min_length=new, **greedy)
+
+    def run(new: int) -> float:
+        arrived: dict[int, float] = {}  # step -> when its last sequence's token arrived (one call per sequence)
+
+        def on_token(result) -> bool:
+            arrived[result.step] = time.perf_counter()
+            return False  # go on decoding
+
+        generator.generate_batch(tokens, max_length=new, min_length=new, callback=on_token, **greedy)
+        clock = StepClock()
+        clock.stamps = [arrived[step] for step in sorted(arrived)]
+        return clock.step_seconds(new)
+
+    return run
 
 
 RUNNERS = {"hf_tfm": _hf_tfm, "onnx": _onnx, "ctranslate2": _ctranslate2}
@@ -99,13 +144,8 @@ def main() -> None:
         return
     run = RUNNERS[request["format"]](request["path"], request["prompts"], request["threads"])
     run(request["new"])  # warm-up: kernels, allocations, caches
-    times: dict[str, list[float]] = {"full": [], "prefill": []}
-    for _ in range(request["rounds"]):
-        for kind, new in (("full", request["new"]), ("prefill", 1)):
-            start = time.perf_counter()
-            run(new)
-            times[kind].append(time.perf_counter() - start)
-    print(json.dumps({kind: statistics.median(values) for kind, values in times.items()}))
+    steps = [run(request["new"]) for _ in range(request["rounds"])]
+    print(json.dumps({"step": statistics.median(steps)}))
 
 
 if __name__ == "__main__":

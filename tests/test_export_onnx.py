@@ -162,7 +162,10 @@ def test_folder_export_carries_config_tokenizer_and_runs_without_torch(tmp_path,
     code = (
         f"import sys; sys.modules['torch'] = None; sys.path.insert(0, {str(path)!r})\n"
         f"from ort_generate import OnnxGenerator\n"
-        f"print(OnnxGenerator({str(path)!r}).generate({PROMPTS!r}, 8, suppress=[2]))"
+        f"steps = []\n"
+        f"tokens = OnnxGenerator({str(path)!r}).generate({PROMPTS!r}, 8, suppress=[2], on_token=steps.append)\n"
+        f"assert [list(t) for t in zip(*steps)] == tokens, (steps, tokens)  # streamed step by step, the same ids\n"
+        f"print(tokens)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
     expected = [

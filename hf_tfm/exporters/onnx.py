@@ -328,8 +328,9 @@ class OnnxGenerator:
         logits, cache = self._feed("prefill", {"input_ids": ids, "attention_mask": mask, "position_ids": positions})
         return logits, cache, {"attention_mask": mask}
 
-    def generate(self, prompts, max_new_tokens, suppress=()):
-        """Greedy continuations of `prompts`, `max_new_tokens` each (`suppress`: ids never chosen, e.g. EOS)."""
+    def generate(self, prompts, max_new_tokens, suppress=(), on_token=None):
+        """Greedy continuations of `prompts`, `max_new_tokens` each (`suppress`: ids never chosen, e.g. EOS);
+        `on_token(tokens)`, when given, receives each step's (B,) ids as they are chosen (streaming)."""
         logits, cache, state = self.prefill(prompts)
         new = []
         for _ in range(max_new_tokens):
@@ -337,6 +338,8 @@ class OnnxGenerator:
             step[:, list(suppress)] = -np.inf
             token = step.argmax(-1)[:, None].astype(np.int64)  # (B, 1)
             new.append(token)
+            if on_token is not None:
+                on_token(token[:, 0].tolist())
             if self.seq2seq:  # the encoder's states and mask stay; the decoder's positions come from its cache
                 values = {**state, "decoder_input_ids": token}
             else:
