@@ -8,6 +8,7 @@ import importlib.util
 import math
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -147,6 +148,14 @@ def random_ids(batch: int, length: int, vocab_size: int = TINY["vocab_size"], se
     """Random token ids that avoid the special ids 0-2 (pad/bos/eos), so generate() never stops early by chance."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab_size, (batch, length), generator=generator)
+
+
+def free_port() -> int:
+    """A TCP port on the loopback that nothing listens on now (for a server or a launcher's rendezvous): two suites
+    run side by side (`make test-matrix`), so no test may count on a fixed port."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run_without_hf_tfm(code: str, tmp_path: Path, timeout: float = 180.0, python: str = sys.executable) -> str:

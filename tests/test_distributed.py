@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import doc_blocks, run_without_hf_tfm
+from conftest import doc_blocks, free_port, run_without_hf_tfm
 from safetensors import safe_open
 from test_training import EXPECTED_AUTO_MAP
 
@@ -113,7 +113,9 @@ def test_readme_accelerate_ddp_launch(tmp_path):
     ddp = next(line for line in commands if "ddp.yaml" in line)
     argv = ddp.replace("out/ddp", str(tmp_path / "ddp")).split()
     assert argv[:2] == ["accelerate", "launch"]
-    launch([str(BIN / "accelerate"), *argv[1:]], tmp_path)
+    # The docs' command with one addition: a free rendezvous port (accelerate's default, 29500, may be taken by a
+    # suite running beside this one).
+    launch([str(BIN / "accelerate"), "launch", "--main_process_port", str(free_port()), *argv[2:]], tmp_path)
     run = json.loads((tmp_path / "ddp" / "run.json").read_text())
     assert run["world_size"] == 2 and run["parallel_mode"] == "ParallelMode.DISTRIBUTED"
     assert run["model_wrapped"] == "DistributedDataParallel" and len(run["losses"]) == 8

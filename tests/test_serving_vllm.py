@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build
+from conftest import build, free_port
 
 from hf_tfm import TfmConfig, TfmForCausalLM, TfmForSequenceClassification, TfmModel
 from hf_tfm.tokenization import train_bpe_tokenizer
@@ -226,12 +226,6 @@ def test_offline_generate_matches_transformers(folders, tokenizer, tmp_path):
     for prompt, prompt_ids, token_ids in zip(PROMPTS, result["prompt_token_ids"], result["token_ids"], strict=True):
         assert prompt_ids == tokenizer(prompt)["input_ids"], "vLLM's tokenizer (transformers 5.19) encodes differently"
         assert token_ids == hf_greedy(model, prompt_ids), prompt
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def listening(port: int) -> bool:
