@@ -48,7 +48,7 @@ matrix-env:
 #
 # Two lanes share the machine's 2 cores: the newest release in one (its output live), the pinned releases one after
 # another in the other (their output in MATRIX_LOG, printed when both lanes are done). The suites leave a core idle
-# most of the time (subprocess start-up, tiny models), so two lanes take about 0.6 of the time of one after the other.
+# most of the time (subprocess start-up, tiny models): two lanes take about 0.7 of the time of one after the other.
 # Each lane's torch runs one thread: two multi-threaded OpenMP processes spin against each other and slow 10-20x.
 # Each lane has its own remote-code module cache: two lanes copying into one transformers_modules folder would race.
 COMMON_ENDS ?= 5.16.1
