@@ -237,6 +237,16 @@ RUNTIME_ROWS = {
         "attention_bias": True,
         "mlp_bias": True,
     },
+    "BLOOM's block (ALiBi, embedding LayerNorm, LayerNorm, tanh-GELU MLP of 4x, biases)": {
+        "position_embedding_type": "alibi",
+        "embedding_norm": True,
+        "norm_type": "layernorm",
+        "ffn_type": "mlp",
+        "hidden_act": "gelu_new",
+        "intermediate_size": 4 * 64,  # RUNTIME_SIZES' hidden_size
+        "attention_bias": True,
+        "mlp_bias": True,
+    },
     "parallel residual": {"parallel_residual": True},
     "qk-norm": {"qk_norm": True},
     "embedding norm": {"embedding_norm": True},
@@ -289,7 +299,7 @@ def render_runtimes() -> str:
         if overrides is None:
             config = TfmSeq2SeqConfig(encoder=RUNTIME_SIZES, decoder=RUNTIME_SIZES)
         else:
-            config = TfmConfig(**RUNTIME_SIZES, **overrides)
+            config = TfmConfig(**{**RUNTIME_SIZES, **overrides})
         out.append(f"| {label} | " + " | ".join(_runtime_cell(config, f) for f in FORMATS) + " |")
     return "\n".join([*out, ""])
 

@@ -26,6 +26,8 @@ LLAMA_MHA_UNTIED = {"tie_word_embeddings": False}
 QWEN2 = {"num_key_value_heads": 2, "attention_bias": True, "attention_out_bias": False}
 QWEN3 = {"num_key_value_heads": 2, "qk_norm": True}
 GPT2 = GPT2_BLOCK
+# BLOOM's block: ALiBi, a LayerNorm after the embeddings, then GPT-2's block (4 * hidden MLP) without positions
+BLOOM = {**GPT2_BLOCK, "position_embedding_type": "alibi", "embedding_norm": True, "intermediate_size": 256}
 LINEAR_ROPE = {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}
 LLAMA3_ROPE = {
     "rope_parameters": {
@@ -55,12 +57,20 @@ def tokenizer():
         (QWEN3, "qwen3", "Qwen3ForCausalLM"),
         ({**QWEN3, "head_dim": 24, "tie_word_embeddings": False}, "qwen3", "Qwen3ForCausalLM"),
         (GPT2, "gpt2", "GPT2LMHeadModel"),
+        (BLOOM, "bloom", "BloomForCausalLM"),
+        ({**BLOOM, "tie_word_embeddings": False}, "bloom", "BloomForCausalLM"),
+        # 6 heads: ALiBi's slopes for a head count that is no power of 2 (the paper's interleave, as BLOOM's)
+        (
+            {**BLOOM, "hidden_size": 96, "num_attention_heads": 6, "intermediate_size": 384},
+            "bloom",
+            "BloomForCausalLM",
+        ),
         ({**LLAMA_GQA_TIED, **LINEAR_ROPE}, "llama", "LlamaForCausalLM"),
         ({**LLAMA_GQA_TIED, **LLAMA3_ROPE}, "llama", "LlamaForCausalLM"),
     ],
     ids=[
         *("llama-mha-tied", "llama-mha-untied", "llama-gqa-tied", "llama-gqa-untied", "qwen2"),
-        *("qwen3", "qwen3-head_dim-untied", "gpt2", "linear", "l3"),
+        *("qwen3", "qwen3-head_dim-untied", "gpt2", "bloom-tied", "bloom-untied", "bloom-6-heads", "linear", "l3"),
     ],
 )
 def test_f32_export_is_exact_through_transformers_loader(overrides, arch, in_tree, tmp_path, tokenizer):
@@ -190,6 +200,25 @@ def test_qwen2_qwen3_and_gpt2_controls():
         gguf_architecture(config_of(**GPT2, num_key_value_heads=2))
 
 
+@pytest.mark.parametrize(
+    ("knobs", "words"),
+    [
+        ({"embedding_norm": False}, "`embedding_norm`=False (llama.cpp bloom needs True"),
+        ({"intermediate_size": 128}, "`intermediate_size`=128 (llama.cpp bloom needs 256 (4 * hidden_size"),
+        ({"num_key_value_heads": 2}, "`num_key_value_heads`=2 (llama.cpp bloom needs"),
+        ({"hidden_act": "gelu"}, "`hidden_act`='gelu' (llama.cpp bloom needs a tanh GELU"),
+        ({"mlp_bias": False}, "`mlp_bias`=False (llama.cpp bloom needs True)"),
+    ],
+    ids=["no-embedding-norm", "mlp-width", "gqa", "erf-gelu", "no-mlp-bias"],
+)
+def test_bloom_refusals_with_control(knobs, words):
+    """ALiBi goes to llama.cpp's bloom only with its whole block; each knob that leaves it is named."""
+    assert gguf_architecture(config_of(**BLOOM)) == "bloom"  # the control
+    with pytest.raises(ValueError, match=r"No llama\.cpp") as err:
+        gguf_architecture(config_of(**{**BLOOM, **knobs}))
+    assert words in str(err.value), str(err.value)
+
+
 def test_failed_export_leaves_no_file(tmp_path, tokenizer, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
@@ -237,7 +266,8 @@ def test_hf_tfm_export_is_the_function(tmp_path, tokenizer):
 def test_info_reports_gguf(tmp_path):
     from hf_tfm.info import describe
 
-    for overrides, ok in ((LLAMA, True), (QWEN2, True), ({"position_embedding_type": "alibi"}, False)):
+    alibi = {"position_embedding_type": "alibi"}
+    for overrides, ok in ((LLAMA, True), (QWEN2, True), (BLOOM, True), (alibi, False)):
         config_of(**overrides).save_pretrained(tmp_path)
         ok_, why = describe(str(tmp_path))["integrations"]["export to runtimes"]["GGUF (llama.cpp)"]
         assert ok_ is ok, why

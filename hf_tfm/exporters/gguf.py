@@ -11,6 +11,10 @@ keeps each architecture from it:
   `head_dim`, no biases; RoPE in the halves layout (no permute).
 * `gpt2`: learned positions, LayerNorm, GELU MLP (tanh approximation, llama.cpp's only GELU), biases everywhere.
   Exact through transformers' loader; llama.cpp's CPU GELU reads an fp16 table, so its own logits are near (~1e-3).
+* `bloom`: ALiBi (the paper's slopes, llama.cpp's `max_alibi_bias` 8), a LayerNorm after the embeddings, then the
+  gpt2 block without position tables: LayerNorm, tanh-GELU MLP of 4 * hidden, biases everywhere, no GQA. Its graph
+  adds `slope * j` where hf_tfm adds `-slope * |i - j|`: per query row they differ by a constant, which the causal
+  softmax removes.
 
 The folder's byte-level BPE tokenizer goes in as llama.cpp's "gpt2" vocabulary with the GPT-2 pre-tokenizer (hf_tfm
 trains with GPT-2's regex), so llama.cpp tokenizes as hf_tfm does. `verify_gguf` loads a written file back through
@@ -30,7 +34,7 @@ from ..convert.core import export_blockers, need
 from ._common import agreement_report, greedy_references, prompt_ids, run_side
 
 RUNTIME = "llama.cpp"
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "bloom")
 # --quantize value -> (GGMLQuantizationType name for 2-D weights, LlamaFileType name for general.file_type)
 TYPES = {
     "f32": ("F32", "ALL_F32"),
@@ -68,7 +72,10 @@ def _common_blockers(config: TfmConfig, arch: str, out: list[str]) -> None:
     need(config, out, family, "norm_position", "pre")
     need(config, out, family, "final_norm", True)
     need(config, out, family, "first_layer_attn_norm", True)
-    need(config, out, family, "embedding_norm", False)
+    if arch == "bloom":
+        need(config, out, family, "embedding_norm", True, "True (its LayerNorm after the embeddings)")
+    else:
+        need(config, out, family, "embedding_norm", False)
     need(config, out, family, "parallel_residual", False)
     if arch == "qwen3":
         need(config, out, family, "qk_norm", True, "True (its q/k norms are always there)")
@@ -116,12 +123,18 @@ def _llama_blockers(config: TfmConfig, arch: str) -> list[str]:
     return out
 
 
-def _gpt2_blockers(config: TfmConfig) -> list[str]:
+def _layernorm_blockers(config: TfmConfig, arch: str) -> list[str]:
+    """gpt2 (learned positions) and bloom (ALiBi, a norm after the embeddings): the same LayerNorm + GELU block."""
     out: list[str] = []
-    family = f"{RUNTIME} gpt2"
-    _common_blockers(config, "gpt2", out)
-    need(config, out, family, "position_embedding_type", "learned")
-    need(config, out, family, "position_offset", 0)
+    family = f"{RUNTIME} {arch}"
+    _common_blockers(config, arch, out)
+    if arch == "gpt2":
+        need(config, out, family, "position_embedding_type", "learned")
+        need(config, out, family, "position_offset", 0)
+    else:  # transformers' BLOOM, the loader that checks the file, builds a 4 * hidden MLP whatever the file says
+        need(config, out, family, "position_embedding_type", "alibi")
+        width = 4 * config.hidden_size
+        need(config, out, family, "intermediate_size", width, f"{width} (4 * hidden_size, BLOOM's MLP)")
     need(config, out, family, "norm_type", "layernorm")
     need(config, out, family, "norm_bias", True)
     need(config, out, family, "ffn_type", "mlp")
@@ -143,7 +156,8 @@ def gguf_architecture_blockers(config: TfmConfig | TfmSeq2SeqConfig) -> dict[str
         "llama": _llama_blockers(config, "llama"),
         "qwen2": _llama_blockers(config, "qwen2"),
         "qwen3": _llama_blockers(config, "qwen3"),
-        "gpt2": _gpt2_blockers(config),
+        "gpt2": _layernorm_blockers(config, "gpt2"),
+        "bloom": _layernorm_blockers(config, "bloom"),
     }
 
 
@@ -216,9 +230,14 @@ def _tensors(model: torch.nn.Module, arch: str) -> dict[str, torch.Tensor]:
     config: TfmConfig = model.config
     state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     out = {"token_embd.weight": state["model.embed_tokens.weight"], "output_norm.weight": state["model.norm.weight"]}
+    layernorm = arch in ("gpt2", "bloom")  # LayerNorm + GELU blocks: biases everywhere, one fused q/k/v
+    if layernorm:
+        out["output_norm.bias"] = state["model.norm.bias"]
     if arch == "gpt2":
         out["position_embd.weight"] = state["model.embed_positions.weight"]
-        out["output_norm.bias"] = state["model.norm.bias"]
+    if arch == "bloom":
+        out["token_embd_norm.weight"] = state["model.embed_norm.weight"]
+        out["token_embd_norm.bias"] = state["model.embed_norm.bias"]
     if not config.tie_word_embeddings:  # tied: llama.cpp and transformers' loader fall back to token_embd
         out["output.weight"] = state["lm_head.weight"]
     if arch == "llama" and config.rope_parameters["rope_type"] == "llama3":
@@ -229,7 +248,7 @@ def _tensors(model: torch.nn.Module, arch: str) -> dict[str, torch.Tensor]:
         v = state[layer + "self_attn.v_proj.weight"]
         if arch == "llama":
             q, k = _permute(q, config.num_attention_heads), _permute(k, config.num_key_value_heads)
-        if arch == "gpt2":  # one fused q/k/v projection
+        if layernorm:  # one fused q/k/v projection, all queries first (llama.cpp's BLOOM converter reorders to this)
             out[blk + "attn_qkv.weight"] = torch.cat([q, k, v])
             out[blk + "attn_qkv.bias"] = torch.cat([state[f"{layer}self_attn.{n}_proj.bias"] for n in "qkv"])
         else:
@@ -243,11 +262,11 @@ def _tensors(model: torch.nn.Module, arch: str) -> dict[str, torch.Tensor]:
         out[blk + "attn_output.weight"] = state[layer + "self_attn.o_proj.weight"]
         out[blk + "attn_norm.weight"] = state[layer + "attn_norm.weight"]
         out[blk + "ffn_norm.weight"] = state[layer + "mlp_norm.weight"]
-        if arch != "gpt2":
+        if not layernorm:
             out[blk + "ffn_gate.weight"] = state[layer + "mlp.gate_proj.weight"]
         out[blk + "ffn_up.weight"] = state[layer + "mlp.up_proj.weight"]
         out[blk + "ffn_down.weight"] = state[layer + "mlp.down_proj.weight"]
-        if arch == "gpt2":
+        if layernorm:
             for ours, theirs in (
                 ("self_attn.o_proj", "attn_output"),
                 ("attn_norm", "attn_norm"),
@@ -376,7 +395,7 @@ def _write(writer, gguf, config: TfmConfig, arch: str, tensors: dict, tok: dict,
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_vocab_size(config.vocab_size)
-    if arch == "gpt2":
+    if arch in ("gpt2", "bloom"):
         writer.add_layer_norm_eps(config.norm_eps)
     else:
         writer.add_head_count_kv(config.num_key_value_heads)
@@ -542,6 +561,8 @@ def _loader_overrides(reader, config: TfmConfig, model: torch.nn.Module) -> dict
             "n_positions": _number(reader, "gpt2.context_length"),
             "n_inner": _number(reader, "gpt2.feed_forward_length"),
         }
+    if arch == "bloom":  # its config ties the head by default; an untied file carries output.weight
+        return {"tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors)}
     # Qwen3 builds head_dim 128 (its config's default) whatever the file's key length says
     extra = {"head_dim": int(_number(reader, "qwen3.attention.key_length"))} if arch == "qwen3" else {}
     theta = _number(reader, f"{arch}.rope.freq_base")
