@@ -436,16 +436,15 @@ def matmul_throughput(pair: Pair, shp: dict, dtype: torch.dtype, device: str, re
 
 
 def interleaved(steps: dict[str, callable], rounds: int) -> dict[str, list[float]]:
-    """Run the steps round by round, alternating which one goes first (A B, B A, ...): each one's seconds, the call's
-    wall time or, where a step times itself (the decode steps inside one generate()), the float it returns."""
+    """Run the steps round by round, alternating which one goes first (A B, B A, ...)."""
     names = list(steps)
     times = {n: [] for n in names}
     for r in range(rounds):
         order = names if r % 2 == 0 else names[::-1]
         for n in order:
             t0 = time.perf_counter()
-            took = steps[n]()
-            times[n].append(time.perf_counter() - t0 if took is None else took)
+            steps[n]()
+            times[n].append(time.perf_counter() - t0)
     return times
 
 
@@ -1147,7 +1146,10 @@ def decode_settings(size: str, settings: list[str], args, bandwidth: dict) -> li
                     steps = {side: decode_setting_step(m, shp, vocab, batch, compiled) for side, m in models.items()}
                     for s in steps.values():  # warm-up: bitsandbytes repacks its 4-bit weights, generate() compiles
                         s()
-                    times = interleaved(steps, args.rounds)
+                    times = {side: [] for side in steps}
+                    for r in range(args.rounds):  # interleaved, alternating which side goes first; each times itself
+                        for side in list(steps)[:: 1 if r % 2 == 0 else -1]:
+                            times[side].append(steps[side]())
                     for side in models:
                         row.setdefault(side, {})[f"b{batch}_step_s"] = statistics.median(times[side])
             except Exception as err:  # a backend that does not run here is reported, with its error
