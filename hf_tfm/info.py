@@ -166,9 +166,16 @@ def _onnx_export(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> Sup
 def _ctranslate2_export(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> Support:
     from .exporters.ctranslate2 import ctranslate2_blockers
 
-    runners = {"TfmForCausalLM": "a Generator", "TfmForConditionalGeneration": "a Translator"}
+    runners = {
+        "TfmForCausalLM": "a Generator",
+        "TfmForConditionalGeneration": "a Translator",
+        "TfmModel": "an Encoder",
+    }
     if architecture not in runners:
-        return False, f"CTranslate2 export takes {' and '.join(runners)} models, not {architecture}"
+        return False, f"CTranslate2 export takes {', '.join(runners)} models, not {architecture}"
+    encoder = architecture == "TfmModel"
+    if not isinstance(config, TfmSeq2SeqConfig) and encoder != (not config.is_causal):
+        return False, f"CTranslate2 exports a {architecture} only with is_causal={not encoder}"
     found = ctranslate2_blockers(config)
     if found:
         return False, "; ".join(found)

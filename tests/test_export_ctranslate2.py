@@ -9,6 +9,7 @@ bit-identical ones). The models are tiny but trained on a repeated token cycle, 
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_seq2seq_config
@@ -24,10 +25,12 @@ from export_models import (
     trained_seq2seq,
 )
 
-from hf_tfm import TfmForCausalLM, TfmForConditionalGeneration
+from hf_tfm import TfmForCausalLM, TfmForConditionalGeneration, TfmForSequenceClassification, TfmModel
+from hf_tfm.cli import main
 from hf_tfm.exporters import blockers, export, format_of, quantize_types, verify
 from hf_tfm.exporters import ctranslate2 as ct2_export
 from hf_tfm.exporters.ctranslate2 import ctranslate2_blockers, export_ctranslate2, verify_ctranslate2
+from hf_tfm.info import describe
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
@@ -199,7 +202,6 @@ REFUSALS = [
     ),
     ({"first_layer_attn_norm": False}, {}, ["`first_layer_attn_norm`=False"]),
     ({"qk_norm_scope": "projection"}, {"qk_norm": True}, ["`qk_norm_scope`='projection'"]),
-    ({"is_causal": False}, {}, ["`is_causal`=False"]),
     ({"hidden_act": "tanh"}, {}, ["`hidden_act`='tanh'", "quick_gelu"]),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, {}, ["`rope_parameters`", "rope_type in"]),
     (
@@ -237,9 +239,100 @@ def test_embedding_scale_with_token_types_needs_a_position_table():
     assert ctranslate2_blockers(config_of(**LEARNED_LN, type_vocab_size=2, embedding_scale=2.0)) == []
 
 
-def test_a_lone_encoder_or_seq2seq_decoder_config_is_refused():
-    assert "`is_causal`=False" in " ".join(ctranslate2_blockers(config_of(is_causal=False)))
+def test_a_seq2seq_decoder_alone_or_a_stack_of_the_wrong_kind_is_refused(tmp_path, tokenizer):
     assert "`add_cross_attention`=True" in " ".join(ctranslate2_blockers(config_of(add_cross_attention=True)))
+    assert ctranslate2_blockers(config_of(is_causal=False)) == []  # the control: an encoder, as TfmModel
+    with pytest.raises(ValueError, match=r"exports a TfmForCausalLM as a decoder \(is_causal=True\)"):
+        export_ctranslate2(TfmForCausalLM(config_of(is_causal=False)), tmp_path / "lm", tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=r"exports a TfmModel as an encoder \(is_causal=False\)"):
+        export_ctranslate2(TfmModel(config_of()), tmp_path / "backbone", tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="not TfmForSequenceClassification"):
+        model = TfmForSequenceClassification(config_of(is_causal=False, num_labels=2))
+        export_ctranslate2(model, tmp_path / "cls", tokenizer=tokenizer)
+    assert not any(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Encoders: TransformerEncoderModelSpec, run by ctranslate2.Encoder
+
+BERT = {**LEARNED_LN, "is_causal": False, "norm_position": "post", "hidden_act": "gelu", "embedding_norm": True}
+ENCODERS = {
+    # BERT's block: post-norm, learned positions, embedding norm, token types, the pooler (dense + tanh)
+    "bert-types-pooler": {**BERT, "type_vocab_size": 2, "add_pooling_layer": True},
+    "bert-no-pooler": BERT,
+    # a modern encoder: pre-norm, RoPE, RMSNorm, SwiGLU, GQA, qk-norm
+    "rope-gqa-qk-norm": {"is_causal": False, "num_key_value_heads": 2, "qk_norm": True},
+    "sinusoidal-gelu-pooler": {**SINUSOIDAL, "is_causal": False, "add_pooling_layer": True},
+}
+
+
+def encoder_model(overrides: dict) -> TfmModel:
+    torch.manual_seed(0)
+    model = TfmModel(config_of(**overrides)).eval()
+    with torch.no_grad():  # weights of a trained model's scale, not initializer_range (whose outputs are ~0)
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.2)
+    return model
+
+
+@pytest.mark.parametrize("case", list(ENCODERS))
+def test_encoder_float32_matches_on_a_padded_batch(case, tmp_path, tokenizer):
+    model = encoder_model(ENCODERS[case])
+    path = export(model, tmp_path / "enc", format="ctranslate2", tokenizer=tokenizer)
+    report = verify(path, model, prompts=PROMPTS, fresh_process=False)
+    print(f"{case}: {report}")
+    pooled = model.pooler is not None
+    assert report["outputs"] == ["last_hidden_state", *(["pooler_output"] if pooled else [])]
+    assert report["compute_type"] == "float32" and report["prompts"] == len(PROMPTS)
+    assert report["max_diff"] < 5e-5
+    assert format_of(path) == "ctranslate2"
+
+
+def test_encoder_token_types_reach_the_second_table(tmp_path, tokenizer):
+    """Segment ids as BERT's pairs give them: CTranslate2 adds the type table's rows, as hf_tfm does."""
+    model = encoder_model(ENCODERS["bert-types-pooler"])
+    path = export(model, tmp_path / "enc", format="ctranslate2", tokenizer=tokenizer)
+    ids = [PROMPTS[1]]
+    types = [[0] * (len(ids[0]) // 2) + [1] * (len(ids[0]) - len(ids[0]) // 2)]
+    out = ctranslate2.Encoder(str(path), device="cpu").forward_batch(ids, token_type_ids=types)
+    with torch.no_grad():
+        ours = model(input_ids=torch.tensor(ids), token_type_ids=torch.tensor(types))
+    theirs = torch.tensor(np.asarray(out.last_hidden_state))
+    assert (theirs - ours.last_hidden_state).abs().max() < 5e-5
+    assert (torch.tensor(np.asarray(out.pooler_output)) - ours.pooler_output).abs().max() < 5e-5
+    with torch.no_grad():  # the control: all-zero types give other features
+        zeros = model(input_ids=torch.tensor(ids)).last_hidden_state
+    assert (zeros - ours.last_hidden_state).abs().max() > 1e-2
+
+
+def test_encoder_int8_is_close_and_refusals_name_the_knob(tmp_path, tokenizer):
+    model = encoder_model(ENCODERS["bert-types-pooler"])
+    path = export(model, tmp_path / "int8", format="ctranslate2", quantize="int8", tokenizer=tokenizer)
+    report = verify(path, model, prompts=PROMPTS, fresh_process=False)
+    assert report["compute_type"].startswith("int8") and 5e-5 < report["max_diff"] < 0.5, report
+    for knobs, word in (
+        ({"position_embedding_type": "alibi"}, "`position_embedding_type`='alibi'"),
+        ({"add_pooling_layer": True, "classifier_pooling": "mean"}, "`classifier_pooling`='mean'"),
+        ({"add_pooling_layer": True, "classifier_activation": "sigmoid"}, "`classifier_activation`='sigmoid'"),
+        ({"sliding_window": 4}, "`layer_types`"),
+    ):
+        assert ctranslate2_blockers(config_of(**BERT)) == []  # the control
+        found = " ".join(ctranslate2_blockers(config_of(**{**BERT, **knobs})))
+        assert word in found and "CTranslate2's encoder" in found, found
+
+
+def test_cli_exports_and_verifies_an_encoder_folder(tmp_path, tokenizer, capsys):
+    folder = tmp_path / "enc"
+    encoder_model(ENCODERS["rope-gqa-qk-norm"]).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    assert main(["export", str(folder), str(tmp_path / "ct2"), "--format", "ctranslate2", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "verified in CTranslate2: outputs last_hidden_state" in out and "largest difference" in out
+    ok, why = describe(str(folder))["integrations"]["export to runtimes"]["CTranslate2"]
+    assert ok and "an Encoder" in why
+    TfmModel(config_of()).save_pretrained(tmp_path / "decoder-backbone")  # the control: a decoder's backbone
+    ok, why = describe(str(tmp_path / "decoder-backbone"))["integrations"]["export to runtimes"]["CTranslate2"]
+    assert not ok and "is_causal=False" in why
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -365,9 +458,6 @@ def test_quantize_types_and_unknown_type(tmp_path, tokenizer):
 
 
 def test_cli_export_ctranslate2_verify_and_info(tmp_path, tokenizer, capsys):
-    from hf_tfm.cli import main
-    from hf_tfm.info import describe
-
     encoder, decoder, top = SEQ2SEQ_FAMILIES["bart"]
     model = trained_seq2seq(encoder, decoder, **top)
     model.save_pretrained(tmp_path / "s2s")

@@ -2,8 +2,10 @@
 `state_dict` (no in-tree family, no `to_hf`, no transformers converter).
 
 A causal LM (`TfmForCausalLM`) is written as a `TransformerDecoderModelSpec` for `ctranslate2.Generator`, an
-encoder-decoder (`TfmForConditionalGeneration`) as a `TransformerSpec` for `ctranslate2.Translator`; a config whose
-knobs CTranslate2 does not compute exactly is refused with a `ValueError` naming every one. What maps to what, on
+encoder-decoder (`TfmForConditionalGeneration`) as a `TransformerSpec` for `ctranslate2.Translator`, an encoder's
+backbone (`TfmModel`, `is_causal=False`: features, and BERT's pooler when it has one) as a
+`TransformerEncoderModelSpec` for `ctranslate2.Encoder`; a config whose knobs CTranslate2 does not compute exactly is
+refused with a `ValueError` naming every one. What maps to what, on
 either stack:
 
 * `norm_position`: pre-norm, or post-norm (the spec's `pre_norm=False`: each sub-layer's norm after its residual sum,
@@ -27,15 +29,19 @@ either stack:
 * `embedding_scale` -> `scale_embeddings` (any value: CTranslate2 multiplies by the stored number); the head reads the
   unscaled table, tied or not (`projection`), with `lm_head_bias`. Token-type embeddings (`type_vocab_size`, row 0
   everywhere: a decoder's, or an encoder given no types) are folded into the position table, or into an untied token
-  table when there is none and `embedding_scale` is 1. Encoder and decoder tables, shared or not, are written once
-  each (CTranslate2 aliases equal arrays).
+  table when there is none and `embedding_scale` is 1. A standalone encoder keeps its token-type table as a second
+  source embedding, added (`token_type_ids` in `Encoder.forward_batch`, as CTranslate2's BERT). The pooler
+  (`add_pooling_layer`) is the spec's `pooler_dense` + activation on the first token. Encoder and decoder tables,
+  shared or not, are written once each (CTranslate2 aliases equal arrays).
 
 Refused: experts, sliding windows (CTranslate2 prefills a prompt longer than the window in window-sized chunks whose
 queries see the whole previous chunk, more than hf_tfm's window, and its `forward_batch` fails on such sequences),
 `first_layer_attn_norm=False` (CTranslate2 adds an attention residual only through its norm), q/k norms over the
-whole projection, RoPE scalings other than linear and llama3 or on part of the dimensions; a non-causal or
-cross-attending `TfmConfig` alone; in an encoder-decoder, ALiBi or a parallel residual in the encoder, `qk_norm` in
-the decoder (CTranslate2's cross-attention norms the queries before splitting the heads) and two `norm_eps`.
+whole projection, RoPE scalings other than linear and llama3 or on part of the dimensions; a cross-attending
+`TfmConfig` alone, and task heads on an encoder (its Encoder returns features and the pooler only); ALiBi or a
+parallel residual in an encoder (alone or in an encoder-decoder), a pooler that pools other than the first token or
+whose activation CTranslate2 lacks; in an encoder-decoder, `qk_norm` in the decoder (CTranslate2's cross-attention
+norms the queries before splitting the heads) and two `norm_eps`.
 
 The tokenizer's vocabulary (in id order, padded to `vocab_size` with unused tokens) is the model's `vocabulary.json`
 (encoder-decoders: `shared_vocabulary.json`, or a source and a target one), and its files are copied beside it.
@@ -88,6 +94,8 @@ ACTIVATIONS = {
     "quick_gelu": "GELUSigmoid",
     "relu": "RELU",
 }
+# The pooler's activation (`classifier_activation`): CTranslate2's Activation names
+POOLER_ACTIVATIONS = {**ACTIVATIONS, "tanh": "Tanh"}
 # RoPE types whose frequencies CTranslate2 computes as transformers does: linear divides positions by the factor,
 # llama3 rescales the frequencies once. dynamic, yarn and longrope (CTranslate2's "su" differs) are not computed.
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -136,13 +144,17 @@ def _stack_blockers(config: TfmConfig, out: list[str], family: str) -> None:
             need(config, out, family, "rope_parameters", lambda v: partial == 1.0, "RoPE on every dimension")
 
 
+def _encoder_blockers(config: TfmConfig, out: list[str]) -> None:
+    family = f"{RUNTIME}'s encoder"
+    _stack_blockers(config, out, family)
+    no_alibi = "no 'alibi' (its encoder has no ALiBi)"
+    need(config, out, family, "position_embedding_type", lambda v: v != "alibi", no_alibi)
+    need(config, out, family, "parallel_residual", False, "False (its encoder layers are sequential)")
+
+
 def _seq2seq_blockers(config: TfmSeq2SeqConfig) -> list[str]:
     out: list[str] = []
-    family = f"{RUNTIME}'s encoder"
-    _stack_blockers(config.encoder, out, family)
-    no_alibi = "no 'alibi' (its encoder has no ALiBi)"
-    need(config.encoder, out, family, "position_embedding_type", lambda v: v != "alibi", no_alibi)
-    need(config.encoder, out, family, "parallel_residual", False, "False (its encoder layers are sequential)")
+    _encoder_blockers(config.encoder, out)
     family = f"{RUNTIME}'s decoder"
     _stack_blockers(config.decoder, out, family)
     # Its cross-attention normalises the queries over the whole projection, before splitting the heads.
@@ -154,19 +166,34 @@ def _seq2seq_blockers(config: TfmSeq2SeqConfig) -> list[str]:
 
 def ctranslate2_blockers(config: TfmConfig | TfmSeq2SeqConfig) -> list[str]:
     """Empty when CTranslate2 computes `config` exactly (a causal LM's as a Generator, an encoder-decoder's as a
-    Translator); else every knob that keeps it out (each message names the runtime and its stack)."""
+    Translator, an encoder's backbone as an Encoder); else every knob that keeps it out (each message names the
+    runtime and its stack)."""
     if isinstance(config, TfmSeq2SeqConfig):
         return _seq2seq_blockers(config)
     out: list[str] = []
+    if not config.is_causal:
+        family = f"{RUNTIME}'s encoder"
+        need(config, out, family, "add_cross_attention", False, "False (an encoder alone attends to itself)")
+        _encoder_blockers(config, out)
+        if config.add_pooling_layer:  # BERT's pooler: the first token -> dense -> activation
+            need(config, out, family, "classifier_pooling", "first", "'first' (its pooler reads the first token)")
+            acts = list(POOLER_ACTIVATIONS)
+            need(config, out, family, "classifier_activation", lambda v: v in POOLER_ACTIVATIONS, f"one of {acts}")
+        return out
     family = f"{RUNTIME}'s decoder"
-    need(config, out, family, "is_causal", True, "True (a decoder; encoders export inside an encoder-decoder)")
     need(config, out, family, "add_cross_attention", False, "False (a decoder-only language model)")
     _stack_blockers(config, out, family)
     return out
 
 
-def _require_exact(config: TfmConfig | TfmSeq2SeqConfig) -> None:
-    """A `ValueError` naming every blocking knob, the runtime and the routes that do take the config."""
+def _require_exact(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> None:
+    """A `ValueError` naming every blocking knob, the runtime and the routes that do take the config (`architecture`:
+    the model class, whose kind of stack the config must be)."""
+    if architecture in KINDS and KINDS[architecture] != (not config.is_causal):
+        kind = "an encoder (is_causal=False)" if KINDS[architecture] else "a decoder (is_causal=True)"
+        raise ValueError(
+            f"{RUNTIME} exports a {architecture} as {kind}; this config has is_causal={config.is_causal}."
+        )
     blockers = ctranslate2_blockers(config)
     if blockers:
         raise ValueError(
@@ -269,9 +296,10 @@ def _decoder_spec(ct2, config: TfmConfig, cross_attention: bool):
     )
 
 
-def _position_table(config: TfmConfig, backbone: torch.nn.Module) -> np.ndarray | None:
+def _position_table(config: TfmConfig, backbone: torch.nn.Module, fold_types: bool = True) -> np.ndarray | None:
     """The absolute positions hf_tfm adds for positions 0 .. max_position_embeddings - 1 (None for rope / alibi),
-    with the token-type row (type 0 everywhere: a decoder, or an encoder given no types) folded in."""
+    with the token-type row (type 0 everywhere: a decoder, or an encoder given no types) folded in unless the spec
+    has the type table itself (`fold_types=False`)."""
     positions = torch.arange(config.max_position_embeddings)
     if config.position_embedding_type == "learned":
         table = backbone.embed_positions.weight[config.position_offset :]
@@ -279,19 +307,24 @@ def _position_table(config: TfmConfig, backbone: torch.nn.Module) -> np.ndarray 
         table = backbone.embed_positions(positions[None], torch.float32)[0]
     else:
         return None
-    if backbone.token_type_embeddings is not None:
+    if backbone.token_type_embeddings is not None and fold_types:
         table = table + backbone.token_type_embeddings.weight[0]
     return _array(table)
 
 
-def _set_stack(ct2, spec, embeddings_spec, config: TfmConfig, backbone: torch.nn.Module) -> None:
-    """Embeddings, positions, norms and layers of one encoder or decoder stack."""
+def _set_stack(
+    ct2, spec, embeddings_spec, config: TfmConfig, backbone: torch.nn.Module, types_spec: Any = None
+) -> None:
+    """Embeddings, positions, norms and layers of one encoder or decoder stack. `types_spec`: the spec's second
+    source embedding, which takes the token-type table (else its row 0 is folded in)."""
     spec.pre_norm = config.norm_position == "pre"
-    table = _position_table(config, backbone)
+    table = _position_table(config, backbone, fold_types=types_spec is None)
     if table is not None:
         spec.position_encodings.encodings = table
+    if types_spec is not None:
+        types_spec.weight = _array(backbone.token_type_embeddings.weight)
     embeddings = backbone.embed_tokens.weight
-    if backbone.token_type_embeddings is not None and table is None:
+    if backbone.token_type_embeddings is not None and table is None and types_spec is None:
         # No position table to hold the token-type row: an untied token table with it (exact, the scale is 1).
         embeddings = embeddings + backbone.token_type_embeddings.weight[0]
     embeddings_spec.weight = _array(embeddings)
@@ -356,6 +389,20 @@ def _model_spec(ct2, model: torch.nn.Module):
     """The `TransformerDecoderModelSpec` of a causal LM, or the `TransformerSpec` of an encoder-decoder, its weights
     set. The head reads the unscaled token table when tied (CTranslate2 scales the embeddings' output only)."""
     specs = ct2.specs
+    if not isinstance(model.config, TfmSeq2SeqConfig) and not model.config.is_causal:  # TfmModel, an encoder
+        config: TfmConfig = model.config
+        options = _stack_options(ct2, config)
+        if config.type_vocab_size > 0:  # token types: a second table, added to the tokens' (BERT's layout)
+            options.update(num_source_embeddings=2, embeddings_merge=specs.common_spec.EmbeddingsMerge.ADD)
+        encoder = specs.TransformerEncoderSpec(**options)
+        types = encoder.embeddings[1] if config.type_vocab_size > 0 else None
+        _set_stack(ct2, encoder, encoder.embeddings[0], config, model, types_spec=types)
+        if model.pooler is None:
+            return specs.TransformerEncoderModelSpec(encoder)
+        activation = specs.common_spec.Activation[POOLER_ACTIVATIONS[config.classifier_activation]]
+        spec = specs.TransformerEncoderModelSpec(encoder, pooling_layer=True, pooling_activation=activation)
+        _set_linear(spec.pooler_dense, model.pooler.dense)
+        return spec
     if isinstance(model.config, TfmSeq2SeqConfig):
         config: TfmSeq2SeqConfig = model.config
         encoder = specs.TransformerEncoderSpec(**_stack_options(ct2, config.encoder))
@@ -431,10 +478,14 @@ def _vocabulary(vocab: dict[str, int], config: TfmConfig, where: str) -> list[st
 # Export
 
 
-def _load(model_or_folder: Any) -> tuple[torch.nn.Module, str | None]:
-    from ..modeling import TfmForCausalLM, TfmForConditionalGeneration
+# The TfmConfig classes this runtime takes -> whether the config must be an encoder's (is_causal=False)
+KINDS = {"TfmForCausalLM": False, "TfmModel": True}
 
-    classes = {cls.__name__: cls for cls in (TfmForCausalLM, TfmForConditionalGeneration)}
+
+def _load(model_or_folder: Any) -> tuple[torch.nn.Module, str | None]:
+    from ..modeling import TfmForCausalLM, TfmForConditionalGeneration, TfmModel
+
+    classes = {cls.__name__: cls for cls in (TfmForCausalLM, TfmForConditionalGeneration, TfmModel)}
     if isinstance(model_or_folder, (str, os.PathLike)):
         folder = Path(model_or_folder)
         saved = folder / "config.json"
@@ -444,12 +495,12 @@ def _load(model_or_folder: Any) -> tuple[torch.nn.Module, str | None]:
         default = "TfmForConditionalGeneration" if seq2seq else "TfmForCausalLM"
         architecture = (getattr(config, "architectures", None) or [default])[0]
         if architecture not in classes:
-            raise ValueError(f"{folder}: {RUNTIME} export takes {' and '.join(classes)} models, not {architecture}.")
-        _require_exact(config)  # refuse before loading any weight
+            raise ValueError(f"{folder}: {RUNTIME} export takes {', '.join(classes)} models, not {architecture}.")
+        _require_exact(config, architecture)  # refuse before loading any weight
         return classes[architecture].from_pretrained(folder), str(folder)
     if not isinstance(model_or_folder, tuple(classes.values())):
         name = type(model_or_folder).__name__
-        raise ValueError(f"{RUNTIME} export takes {' and '.join(classes)} models, not {name}.")
+        raise ValueError(f"{RUNTIME} export takes {', '.join(classes)} models, not {name}.")
     return model_or_folder, getattr(model_or_folder, "name_or_path", None) or None
 
 
@@ -482,7 +533,7 @@ def export_ctranslate2(
         )
     model, source = _load(model_or_folder)
     config = model.config
-    _require_exact(config)
+    _require_exact(config, type(model).__name__)
     vocab, unk, save_tokenizer = _tokenizer(source, tokenizer)
     named = tokenizer is None or isinstance(tokenizer, (str, os.PathLike))
     where = str(tokenizer or source) if named else type(tokenizer).__name__  # for error messages
@@ -533,7 +584,21 @@ def vocabulary(path, side):
         return json.load(file)
 
 
+def run_encoder(args):
+    # each output of the Encoder on the prompts as one batch (CTranslate2 pads it): name -> (B, ...) lists
+    encoder = ctranslate2.Encoder(args["path"], device="cpu", compute_type="default", intra_threads=2)
+    prompts = args["prompts"]
+    types = [[0] * len(p) for p in prompts] if args["token_types"] else None
+    out = encoder.forward_batch(prompts, token_type_ids=types)
+    result = {"compute_type": encoder.compute_type, "last_hidden_state": np.asarray(out.last_hidden_state).tolist()}
+    if out.pooler_output is not None:
+        result["pooler_output"] = np.asarray(out.pooler_output).tolist()
+    return result
+
+
 def run(args):
+    if args.get("encoder"):
+        return run_encoder(args)
     path, n = args["path"], args["max_new_tokens"]
     # min_length = max_length = n: the end tokens are disabled until the n-th token, as min_new_tokens does
     greedy = dict(beam_size=1, sampling_topk=1, end_token=args["end_ids"], return_end_token=True)
@@ -592,6 +657,8 @@ def verify_ctranslate2(
     seq2seq = isinstance(config, TfmSeq2SeqConfig)
     own = source is not None and (Path(source) / "tokenizer.json").is_file()
     prompts = prompt_ids(prompts, source if own else folder)  # texts: else through the export's copy
+    if not seq2seq and not config.is_causal:
+        return _verify_encoder(folder, model, prompts, fresh_process)
     references = greedy_references(model, prompts, max_new_tokens)
     ours = []
     with torch.no_grad():
@@ -614,6 +681,26 @@ def verify_ctranslate2(
         "compute_type": theirs["compute_type"],
         **agreement_report(ours, theirs, references, prompts, seq2seq, max_new_tokens),
     }
+
+
+def _verify_encoder(folder: Path, model: torch.nn.Module, prompts: list[list[int]], fresh: bool) -> dict[str, Any]:
+    """The Encoder's outputs on the prompts as one padded batch against the model on each prompt alone (per-token
+    outputs compared on the prompt's own positions): `outputs`, `max_diff`, `prompts`, `compute_type`."""
+    token_types = model.config.type_vocab_size > 0
+    args = {"path": str(folder), "prompts": [list(map(int, p)) for p in prompts], "encoder": True}
+    theirs = run_side(_CT2_SIDE, {**args, "token_types": token_types}, fresh, RUNTIME)
+    compute_type = theirs.pop("compute_type")
+    diff = 0.0
+    with torch.no_grad():
+        for row, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt])
+            ours = model(input_ids=ids, attention_mask=torch.ones_like(ids))
+            for name, values in theirs.items():
+                mine, other = ours[name][0].float(), torch.tensor(values[row])
+                if mine.dim() == 2:  # per token: the prompt's own positions
+                    other = other[: len(prompt)]
+                diff = max(diff, float((mine - other).abs().max()))
+    return {"compute_type": compute_type, "outputs": sorted(theirs), "max_diff": diff, "prompts": len(prompts)}
 
 
 __all__ = ["ACTIVATIONS", "TYPES", "ctranslate2_blockers", "export_ctranslate2", "verify_ctranslate2"]
