@@ -14,7 +14,7 @@ from typing import Literal
 
 from huggingface_hub.dataclasses import strict
 from huggingface_hub.errors import StrictDataclassError
-from transformers import DistributedConfig, PreTrainedConfig
+from transformers import DistributedConfig, GenerationConfig, PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 from transformers.utils import logging
 
@@ -84,7 +84,18 @@ def _known_keys(config_class: type) -> frozenset[str]:
     own |= {
         name for klass in config_class.__mro__ for name, value in vars(klass).items() if isinstance(value, property)
     }
-    return frozenset(own | set(PreTrainedConfig().to_dict()) | set(config_class.attribute_map) | EXTRA_CONFIG_KEYS)
+    return frozenset(
+        own | set(PreTrainedConfig().to_dict()) | set(config_class.attribute_map) | EXTRA_CONFIG_KEYS | _base_keys()
+    )
+
+
+def _base_keys() -> set[str]:
+    """The keys PreTrainedConfig itself takes out of the kwargs: the implementation choices (`from_pretrained(...,
+    attn_implementation=...)` and `transformers serve` pass them through the config) and, read from the release,
+    the generation parameters an old config.json may still hold."""
+    keys = {"attn_implementation", "experts_implementation", "output_attentions", "per_layer_config", "name_or_path"}
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)  # what __init__ pops, per release
+    return keys | set(defaults() if defaults is not None else ())
 
 
 def _warn_unknown_keys(config: PreTrainedConfig, keys) -> None:

@@ -109,6 +109,9 @@ def test_a_misspelt_knob_warns_with_the_nearest_one(caplog):
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         tiny_config(num_labels=3, torch_dtype="float32", architectures=["TfmForCausalLM"], cls_token_id=5)
+        # what PreTrainedConfig takes itself: an implementation choice (`transformers serve` passes one), an old
+        # config.json's generation parameter
+        tiny_config(attn_implementation="sdpa", experts_implementation="eager", max_length=20)
     assert "does not read" not in caplog.text  # transformers' own keys and special-token ids are known
 
 
