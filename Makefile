@@ -51,6 +51,9 @@ matrix-env:
 # most of the time (subprocess start-up, tiny models): two lanes take about 0.7 of the time of one after the other.
 # Each lane's torch runs one thread: two multi-threaded OpenMP processes spin against each other and slow 10-20x.
 # Each lane has its own remote-code module cache: two lanes copying into one transformers_modules folder would race.
+# The `solo` tests (several processes, or a server, with deadlines: distributed training, serving) run after both
+# lanes, alone on the machine, release after release: beside the other lane, a DDP launch ran past its deadline and
+# `transformers serve` with continuous batching dropped a connection.
 COMMON_ENDS ?= 5.16.1
 ENDS_ONLY := tests/test_transformers_common.py tests/test_doc_pages.py tests/test_docs_reference.py \
 	tests/test_export_gguf.py tests/test_export_onnx.py
@@ -59,19 +62,24 @@ MATRIX_TMP ?= $(or $(TMPDIR),/tmp)/hf_tfm-test-matrix
 MATRIX_LOG := $(MATRIX_TMP)/pinned.log
 test-matrix: matrix-env
 	rm -rf $(MATRIX_TMP) && mkdir -p $(MATRIX_TMP)
-	export OMP_NUM_THREADS=1; \
-	( set -e; for v in $(MATRIX); do \
+	( export OMP_NUM_THREADS=1; set -e; for v in $(MATRIX); do \
 		case " $(COMMON_ENDS) " in \
-			*" $$v "*) skip="$(addprefix --ignore=,$(NEWEST_ONLY))";; \
+			*" $$v "*) skip="$(addprefix --ignore=,$(NEWEST_ONLY)) -m 'not solo'";; \
 			*) skip="$(addprefix --ignore=,$(ENDS_ONLY) $(NEWEST_ONLY)) -m 'not slow'";; \
 		esac; \
 		HF_MODULES_CACHE=$(MATRIX_TMP)/modules-$$v $(MAKE) test TRANSFORMERS=$$v ARGS="$$skip $(ARGS)"; \
 	done ) > $(MATRIX_LOG) 2>&1 & pinned=$$!; \
-	HF_MODULES_CACHE=$(MATRIX_TMP)/modules-newest $(MAKE) test; newest=$$?; \
-	wait $$pinned; pinned=$$?; \
+	OMP_NUM_THREADS=1 HF_MODULES_CACHE=$(MATRIX_TMP)/modules-newest $(MAKE) test ARGS="-m 'not solo' $(ARGS)"; \
+	newest=$$?; wait $$pinned; pinned=$$?; \
 	echo "--- the pinned releases ($(MATRIX)), run beside the newest ($(MATRIX_LOG)):"; cat $(MATRIX_LOG); \
-	echo "--- newest release: exit $$newest; pinned releases: exit $$pinned"; \
-	test $$newest = 0 && test $$pinned = 0
+	echo "--- the solo tests, alone: the newest release, then $(COMMON_ENDS)"; \
+	HF_MODULES_CACHE=$(MATRIX_TMP)/modules-newest $(MAKE) test ARGS="-m solo $(ARGS)"; solo=$$?; \
+	for v in $(COMMON_ENDS); do \
+		HF_MODULES_CACHE=$(MATRIX_TMP)/modules-$$v $(MAKE) test TRANSFORMERS=$$v \
+			ARGS="$(addprefix --ignore=,$(NEWEST_ONLY)) -m solo $(ARGS)" || solo=1; \
+	done; \
+	echo "--- newest release: exit $$newest; pinned releases: exit $$pinned; solo tests: exit $$solo"; \
+	test $$newest = 0 && test $$pinned = 0 && test $$solo = 0
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DIST = ROOT / "tests" / "dist"
 BIN = Path(sys.executable).parent
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.solo]
 
 
-def launch(command: list[str], tmp_path: Path, timeout: float = 240.0) -> str:
+def launch(command: list[str], tmp_path: Path, timeout: float = 600.0) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(
         command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout

@@ -687,6 +687,7 @@ def test_docs_moe_blocks_run(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.solo
 def test_torchrun_ddp_matches_the_replayed_steps(tmp_path):
     """2-process DDP with Trainer == the steps replayed in one process from the batches each rank trained on, with
     each rank's aux loss weighted by its share of the step's tokens; a plain sum of the ranks' aux losses differs."""
@@ -704,6 +705,7 @@ def test_torchrun_ddp_matches_the_replayed_steps(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.solo
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
 @pytest.mark.parametrize("mode", ["tp", "ep"])
 def test_tensor_and_expert_parallel_logits_equal_one_process(tmp_path, mode, implementation):

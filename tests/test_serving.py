@@ -190,6 +190,7 @@ def stop_server(server: subprocess.Popen, port: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.solo
 @pytest.mark.parametrize("continuous_batching", [False, True])
 def test_transformers_serve_answers_like_generate(lm_folder, tmp_path, continuous_batching):
     openai = pytest.importorskip("openai")

@@ -34,6 +34,7 @@ DRIVER = Path(__file__).with_name("serving_vllm_driver.py")
 pytestmark = [
     pytest.mark.serving,
     pytest.mark.slow,
+    pytest.mark.solo,
     pytest.mark.skipif(
         not VLLM_PYTHON.exists(),
         reason=f"no vLLM environment at {VLLM_PYTHON.parent.parent}; create it with `make vllm-env`",
