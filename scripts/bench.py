@@ -1218,15 +1218,22 @@ RUNTIME_SETTINGS = {
     "onnx int4": ("onnx", "int4", "ONNX Runtime, int4 MatMulNBits, blocks of 32"),
     "ct2 float32": ("ctranslate2", None, "CTranslate2 4.8 Generator, float32"),
     "ct2 int8": ("ctranslate2", "int8", "CTranslate2 Generator, int8 weights"),
+    "llama.cpp f32": ("gguf", "f32", "llama.cpp (llama-cpp-python 0.3.36), F32 weights"),
+    "llama.cpp q8_0": ("gguf", "q8_0", "llama.cpp, Q8_0 weights (8-bit blocks of 32)"),
+    "llama.cpp q4_0": ("gguf", "q4_0", "llama.cpp, Q4_0 weights (4-bit blocks of 32)"),
 }
 WORKER = Path(__file__).resolve().parent / "bench_runtime_worker.py"
+# llama.cpp runs in its own environment (`make llama-cpp-env`), where neither torch nor hf_tfm is installed
+LLAMA_CPP_PYTHON = Path(__file__).resolve().parents[1] / ".venv-llama-cpp" / "bin" / "python"
 
 
 def _weight_bytes(fmt: str, path: str, model: nn.Module) -> int:
     """Bytes of weights a decode step reads: hf_tfm's streamed parameters; for an export, its weight files (the
-    decode graph's for ONNX, model.bin for CTranslate2), so a stored copy of the token table counts."""
+    decode graph's for ONNX, model.bin for CTranslate2, the GGUF file), so a stored copy of the token table counts."""
     if fmt == "hf_tfm":
         return streamed_weight_bytes(model)
+    if fmt == "gguf":
+        return Path(path).stat().st_size
     files = [Path(path) / "decode.onnx.data"] if fmt == "onnx" else [Path(path) / "model.bin"]
     return sum(f.stat().st_size for f in files)
 
@@ -1236,8 +1243,13 @@ def _time_in_process(fmt: str, path: str, prompts: list[list[int]], new: int, ro
 
     request = {"format": fmt, "path": path, "prompts": prompts, "new": new, "rounds": rounds, "threads": threads}
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    python = sys.executable
+    if fmt == "gguf":
+        if not LLAMA_CPP_PYTHON.is_file():
+            raise RuntimeError("llama.cpp's environment is missing: make llama-cpp-env")
+        python = str(LLAMA_CPP_PYTHON)
     done = subprocess.run(
-        [sys.executable, str(WORKER)], input=json.dumps(request), capture_output=True, text=True, env=env, check=False
+        [python, str(WORKER)], input=json.dumps(request), capture_output=True, text=True, env=env, check=False
     )
     if done.returncode != 0:
         raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "the worker failed")
@@ -1267,7 +1279,7 @@ def runtimes(size: str, args, bandwidth: dict) -> list[dict]:
             try:
                 path = folder
                 if fmt != "hf_tfm":
-                    out = os.path.join(tmp, name.replace(" ", "-"))
+                    out = os.path.join(tmp, name.replace(" ", "-") + (".gguf" if fmt == "gguf" else ""))
                     path = str(export(folder, out, format=fmt, quantize=quantize))
                 row["weight_bytes_per_step"] = _weight_bytes(fmt, path, model)
                 for batch in shp["decode_batches"]:

@@ -96,7 +96,51 @@ def _ctranslate2(path: str, prompts: list[list[int]], threads: int):
     return run
 
 
-RUNNERS = {"hf_tfm": _hf_tfm, "onnx": _onnx, "ctranslate2": _ctranslate2}
+def _llama_cpp(path: str, prompts: list[list[int]], threads: int):
+    """llama.cpp through llama-cpp-python's C API (its own environment, .venv-llama-cpp): every prompt a sequence of
+    one batch, as llama.cpp's own batched example decodes them; greedy argmax of each sequence's logits."""
+    import llama_cpp as ll
+    import numpy as np
+
+    batch, longest = len(prompts), max(len(p) for p in prompts)
+    ll.llama_backend_init()
+    model = ll.llama_model_load_from_file(path.encode(), ll.llama_model_default_params())
+    params = ll.llama_context_default_params()
+    params.n_ctx = batch * (longest + 512)  # every sequence's prompt and new tokens (`new` stays far below 512)
+    params.n_batch = params.n_ubatch = max(batch * longest, batch)
+    params.n_seq_max, params.n_threads, params.n_threads_batch = batch, threads, threads
+    context = ll.llama_init_from_model(model, params)
+    vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
+    tokens = ll.llama_batch_init(max(batch * longest, batch), 0, batch)
+
+    def fill(items: list[tuple[int, int, int, bool]]) -> None:  # (token, position, sequence, logits wanted)
+        tokens.n_tokens = len(items)
+        for i, (token, position, sequence, logits) in enumerate(items):
+            tokens.token[i], tokens.pos[i], tokens.n_seq_id[i] = token, position, 1
+            tokens.seq_id[i][0], tokens.logits[i] = sequence, logits
+
+    def decode() -> list[int]:  # one greedy token per sequence, from the rows that asked for logits
+        if ll.llama_decode(context, tokens) != 0:
+            raise RuntimeError("llama_decode failed")
+        rows = [i for i in range(tokens.n_tokens) if tokens.logits[i]]
+        return [int(np.ctypeslib.as_array(ll.llama_get_logits_ith(context, i), (vocab,)).argmax()) for i in rows]
+
+    def run(new: int) -> float:
+        ll.llama_memory_clear(ll.llama_get_memory(context), True)
+        clock = StepClock()
+        fill([(t, j, s, j == len(p) - 1) for s, p in enumerate(prompts) for j, t in enumerate(p)])
+        chosen = decode()
+        clock.put(chosen)
+        for step in range(1, new):
+            fill([(t, len(p) + step - 1, s, True) for s, (p, t) in enumerate(zip(prompts, chosen, strict=True))])
+            chosen = decode()
+            clock.put(chosen)
+        return clock.step_seconds(new)
+
+    return run
+
+
+RUNNERS = {"hf_tfm": _hf_tfm, "onnx": _onnx, "ctranslate2": _ctranslate2, "gguf": _llama_cpp}
 
 
 def score(request: dict) -> dict:
