@@ -727,6 +727,28 @@ VLLM_INSTALL_HELP = (
 )
 
 
+# Set by `hf-tfm serve --engine transformers` for the processes transformers serve starts (see below).
+SERVE_NAMES_ENV = "HF_TFM_NAME_CLASSES_IN_TRANSFORMERS"
+
+
+def _name_classes_in_transformers() -> None:
+    """`transformers serve` finds a model's class by name in the transformers namespace (in-tree models only, even
+    with --trust-remote-code): name hf_tfm's there, in this process only."""
+    import transformers
+
+    import hf_tfm
+
+    for name in hf_tfm.__all__:
+        if name.startswith("Tfm"):
+            setattr(transformers, name, getattr(hf_tfm, name))
+
+
+# From 5.25, transformers serve loads the model in a process it spawns; a spawned process imports its parent's main
+# script again (`hf-tfm`, which imports this module), and the serve command's environment asks it to name the classes.
+if os.environ.get(SERVE_NAMES_ENV) == "1":
+    _name_classes_in_transformers()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     folder = _require_model_dir(args.model)
     engine_args = args.passthrough
@@ -737,16 +759,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
         command += ["--model-impl", "transformers", "--trust-remote-code", *address, *engine_args]
         os.execv(sys.executable, command)  # the server replaces this process: signals and exit status are its own
-    import transformers
     from transformers.cli.transformers import main as transformers_cli
 
-    import hf_tfm
-
-    # `transformers serve` finds a model's class by name in the transformers namespace (in-tree models only, even
-    # with --trust-remote-code); name ours there, in this process only.
-    for name in hf_tfm.__all__:
-        if name.startswith("Tfm"):
-            setattr(transformers, name, getattr(hf_tfm, name))
+    _name_classes_in_transformers()
+    os.environ[SERVE_NAMES_ENV] = "1"  # and in the model's process, where 5.25+ loads it
     sys.argv = ["transformers", "serve", str(folder), "--trust-remote-code", *address, *engine_args]
     return transformers_cli() or 0
 
