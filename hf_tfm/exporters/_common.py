@@ -194,3 +194,23 @@ def agreement_report(
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
     }
+
+
+def encoder_max_diff(model: Any, prompts: list[list[int]], theirs: dict[str, list], where: Any) -> float:
+    """The largest difference between a runtime's encoder outputs (`theirs`: name -> one row per prompt, run as one
+    padded batch) and the model's on each prompt alone; per-token outputs compared on the prompt's own positions."""
+    import torch
+
+    diff = 0.0
+    with torch.no_grad():
+        for row, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt])
+            ours = model(input_ids=ids, attention_mask=torch.ones_like(ids))
+            for name, values in theirs.items():
+                if name not in ours:
+                    raise RuntimeError(f"{where}: the export returns {name!r}, the model does not.")
+                mine, other = ours[name][0].float(), torch.tensor(values[row])
+                if mine.dim() and mine.shape[0] == len(prompt):  # per token: the prompt's own positions
+                    other = other[: len(prompt)]
+                diff = max(diff, float((mine - other).abs().max()))
+    return diff

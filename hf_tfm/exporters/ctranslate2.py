@@ -63,6 +63,7 @@ from ..convert.core import export_blockers, need
 from ._common import (
     TOKENIZER_FILES,
     agreement_report,
+    encoder_max_diff,
     eos_ids,
     greedy_references,
     prompt_ids,
@@ -690,16 +691,7 @@ def _verify_encoder(folder: Path, model: torch.nn.Module, prompts: list[list[int
     args = {"path": str(folder), "prompts": [list(map(int, p)) for p in prompts], "encoder": True}
     theirs = run_side(_CT2_SIDE, {**args, "token_types": token_types}, fresh, RUNTIME)
     compute_type = theirs.pop("compute_type")
-    diff = 0.0
-    with torch.no_grad():
-        for row, prompt in enumerate(prompts):
-            ids = torch.tensor([prompt])
-            ours = model(input_ids=ids, attention_mask=torch.ones_like(ids))
-            for name, values in theirs.items():
-                mine, other = ours[name][0].float(), torch.tensor(values[row])
-                if mine.dim() == 2:  # per token: the prompt's own positions
-                    other = other[: len(prompt)]
-                diff = max(diff, float((mine - other).abs().max()))
+    diff = encoder_max_diff(model, prompts, theirs, folder)
     return {"compute_type": compute_type, "outputs": sorted(theirs), "max_diff": diff, "prompts": len(prompts)}
 
 

@@ -31,6 +31,7 @@ from ..configuration import TfmConfig, TfmSeq2SeqConfig
 from ._common import (
     agreement_report,
     copy_tokenizer,
+    encoder_max_diff,
     eos_ids,
     greedy_references,
     prompt_ids,
@@ -437,22 +438,10 @@ def _verify_encoder(exported: Path, model: torch.nn.Module, prompts: list, manif
     token outputs compared on the prompt's own positions)."""
     args = {"path": str(exported), "prompts": [list(map(int, p)) for p in prompts], "encoder": True}
     theirs = _ort_side({**args, "threads": torch.get_num_threads()}, fresh)
-    diff = 0.0
-    with torch.no_grad():
-        for row, prompt in enumerate(prompts):
-            ids = torch.tensor([prompt])
-            ours = model(input_ids=ids, attention_mask=torch.ones_like(ids))
-            for name, values in theirs.items():
-                if name not in ours:
-                    raise RuntimeError(f"{exported}: the export returns {name!r}, the model does not.")
-                mine, other = ours[name][0].float(), torch.tensor(values[row])
-                if mine.dim() and mine.shape[0] == len(prompt):  # per token: the prompt's own positions
-                    other = other[: len(prompt)]
-                diff = max(diff, float((mine - other).abs().max()))
     return {
         "weights": manifest["weights"],
         "outputs": sorted(theirs),
-        "max_diff": diff,
+        "max_diff": encoder_max_diff(model, prompts, theirs, exported),
         "prompts": len(prompts),
     }
 
