@@ -42,6 +42,7 @@ from transformers import (
 
 from . import TfmConfig, TfmForCausalLM, TfmForConditionalGeneration, TfmForSequenceClassification, TfmSeq2SeqConfig
 from .modeling import new_staging_folder, replace_folder
+from .training import FreeCoreThreads
 
 logger = logging.getLogger(__name__)
 
@@ -225,13 +226,14 @@ def pretrain_causal_lm(
     total = _total_steps(settings, len(train_blocks))
     eval_steps = max(1, total // max(settings.evals, 1))
     rows = lambda blocks: _Examples([{"input_ids": b, "labels": b} for b in blocks])  # noqa: E731
-    with tempfile.TemporaryDirectory(prefix="hf-tfm-trainer-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="hf-tfm-trainer-") as scratch, FreeCoreThreads() as threads:
         trainer = Trainer(
             model=model,
             args=_training_args(settings, Path(scratch), total, eval_steps),
             train_dataset=rows(train_blocks),
             eval_dataset=rows(eval_blocks),
             data_collator=default_data_collator,
+            callbacks=[threads],
         )
         trainer.train()
         final = trainer.evaluate()
@@ -400,12 +402,13 @@ def finetune_classifier(
     )
     logger.info("classifier: %d of %d parameters trainable (lora=%s)", trainable_params, all_params, lora)
     total = _total_steps(settings, len(train_set))
-    with tempfile.TemporaryDirectory(prefix="hf-tfm-trainer-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="hf-tfm-trainer-") as scratch, FreeCoreThreads() as threads:
         trainer = Trainer(
             model=trainable,
             args=_training_args(settings, Path(scratch), total, None),
             train_dataset=train_set,
             data_collator=DataCollatorWithPadding(tokenizer),
+            callbacks=[threads],
         )
         trainer.train()
         prediction = trainer.predict(test_set)
@@ -570,7 +573,7 @@ def train_seq2seq(
         )
     trainable_params = sum(p.numel() for p in trainable.parameters() if p.requires_grad)
     total = _total_steps(settings, len(train_set))
-    with tempfile.TemporaryDirectory(prefix="hf-tfm-trainer-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="hf-tfm-trainer-") as scratch, FreeCoreThreads() as threads:
         eval_steps = max(1, total // max(settings.evals, 1))
         trainer = Seq2SeqTrainer(
             model=trainable,
@@ -578,6 +581,7 @@ def train_seq2seq(
             train_dataset=train_set,
             eval_dataset=test_set,
             data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
+            callbacks=[threads],
         )
         trainer.train()
         final = trainer.evaluate()

@@ -92,6 +92,7 @@ from transformers import (
 )
 
 from hf_tfm import from_hf
+from hf_tfm.training import cpu_sample, free_cores
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_runtime_worker import StepClock  # the one clock both the bench and its worker use
@@ -534,6 +535,25 @@ def markdown(results: list[dict], extra: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def idle_free_cores(threads: int, when: str) -> int | None:
+    """The cores other processes leave free, sampled for half a second while the bench itself is idle (Linux); warn
+    when they are fewer than the bench's threads: torch's threads then wait on each other and every time is slower
+    than the CPU share explains (6.6x for a 2-thread train step beside one busy process; docs/training.md)."""
+    before = cpu_sample()
+    if before is None:
+        return None
+    time.sleep(0.5)
+    free = free_cores(before, cpu_sample())
+    if free < threads:
+        print(
+            f"[bench] {when}: other processes use {before.cores - free} of {before.cores} cores; with {threads} "
+            f"threads these timings are not those of a quiet machine (--threads {free}, or wait)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return free
+
+
 def machine_info(device: str) -> dict:
     info = {
         "platform": platform.platform(),
@@ -671,6 +691,7 @@ def main(argv=None) -> dict:
     results, extra = [], []
     t_start = time.time()
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
+    free_start = idle_free_cores(torch.get_num_threads(), "at the start") if device == "cpu" else None
     decode_rows, bandwidth = [], None
     if args.setting_list:  # a decode-only run: each weight setting, hf_tfm and in-tree Llama
         mib = args.bandwidth_mib or BANDWIDTH_MIB[args.sizes[0]]
@@ -759,6 +780,8 @@ def main(argv=None) -> dict:
     out["machine"]["loadavg_start"] = load_start  # 1/5/15-minute load averages: other work on the machine
     with contextlib.suppress(OSError):
         out["machine"]["loadavg_end"] = os.getloadavg()
+    if device == "cpu":  # cores the other processes left free, before and after the bench (its own threads idle)
+        out["machine"]["free_cores"] = [free_start, idle_free_cores(torch.get_num_threads(), "at the end")]
     table = markdown(results, extra)
     if args.setting_list:
         out["bandwidth"], out["decode"] = bandwidth, decode_rows

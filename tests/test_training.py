@@ -5,6 +5,10 @@ Every comparison has an independent oracle: a plain PyTorch step, an uninterrupt
 
 import copy
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -12,7 +16,7 @@ from conftest import enable_activation_checkpointing, random_ids, run_doc_blocks
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 from hf_tfm import AUTO_CLASSES, TfmForCausalLM, TfmForMaskedLM, TfmForSequenceClassification
-from hf_tfm.training import PadCollator
+from hf_tfm.training import CpuSample, FreeCoreThreads, PadCollator, cpu_sample, free_cores
 
 EXPECTED_AUTO_MAP = {name: f"modeling.{cls.__name__}" for name, (_, cls) in AUTO_CLASSES.items()}
 EXPECTED_AUTO_MAP["AutoConfig"] = "configuration.TfmConfig"
@@ -271,10 +275,71 @@ def test_trainer_step_with_packing_equals_padded_step(tmp_path):
 
 def test_docs_training_blocks(tmp_path, monkeypatch):
     """The docs' Trainer and LoRA blocks run as written (in one namespace, in a scratch directory)."""
-    namespace = run_doc_blocks("training", 3, tmp_path, monkeypatch)
+    threads = torch.get_num_threads()
+    namespace = run_doc_blocks("training", 4, tmp_path, monkeypatch)
+    assert torch.get_num_threads() == threads  # FreeCoreThreads' block restored it
     final = tmp_path / "out" / "finetune" / "final"
     assert json.loads((final / "config.json").read_text())["auto_map"] == EXPECTED_AUTO_MAP
     assert (final / "modeling.py").is_file() and (tmp_path / "out" / "lora" / "adapter_config.json").is_file()
     train_loss = namespace["trainer"].state.log_history[-1]["train_loss"]
     assert train_loss < 4.0, train_loss  # ln(99) = 4.6 untrained; the mean over 20 steps is 3.5
     assert type(namespace["merged"]) is TfmForCausalLM
+
+
+def test_free_cores_leaves_out_what_other_processes_used():
+    start = CpuSample(cores=2, wall=10.0, busy_s=100.0, own_s=50.0)
+    at = lambda busy, own, cores=2: CpuSample(cores, 11.0, 100.0 + busy, 50.0 + own)  # noqa: E731 (1 s later)
+    assert free_cores(start, at(busy=1.3, own=1.3)) == 2  # only this process ran
+    assert free_cores(start, at(busy=1.7, own=1.3)) == 2  # others used 0.4 of a core: not taken
+    assert free_cores(start, at(busy=2.0, own=1.3)) == 1  # another process had 0.7 of a core
+    assert free_cores(start, at(busy=2.0, own=0.0)) == 1  # both cores taken: still one thread
+    assert free_cores(CpuSample(4, 10.0, 100.0, 50.0), at(busy=3.6, own=2.0, cores=4)) == 2
+
+
+def test_cpu_sample_reads_the_cores_this_process_may_use():
+    allowed = sorted(os.sched_getaffinity(0))
+    hz = os.sysconf("SC_CLK_TCK")
+    lines = ["cpu  9 9 9 9 9 9 9 9 9 9"]  # the machine's total: not counted again
+    lines += [f"cpu{c} 10 1 5 1000 7 2 3 4 6 0" for c in allowed]  # busy 10+1+5+2+3+4; guest 6 is inside user
+    lines += [f"cpu{allowed[-1] + 1} 500 0 0 0 0 0 0 0 0 0", "intr 123 4 5", "ctxt 99"]
+    sample = cpu_sample("\n".join(lines))
+    assert sample.cores == len(allowed)
+    assert sample.busy_s == pytest.approx(25 * len(allowed) / hz)
+
+
+def test_free_core_threads_restores_the_thread_count():
+    before = torch.get_num_threads()
+    with FreeCoreThreads() as threads:
+        torch.set_num_threads(1)
+        assert threads.max_threads == before
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.solo
+def test_free_core_threads_gives_a_busy_process_its_core_and_takes_it_back():
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+        pytest.skip("needs 2 cores")
+    before = torch.get_num_threads()
+    torch.set_num_threads(cores)
+    try:
+        hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            time.sleep(0.5)  # the other process is running
+            with FreeCoreThreads() as threads:
+                threads.adapt()
+                time.sleep(0.5)
+                threads.adapt()
+                assert torch.get_num_threads() == cores - 1
+                hog.kill()
+                hog.wait()
+                threads.adapt()
+                time.sleep(0.5)
+                threads.adapt()
+                assert torch.get_num_threads() == cores
+                torch.set_num_threads(1)
+            assert torch.get_num_threads() == cores  # as the block found it
+        finally:
+            hog.kill()
+    finally:
+        torch.set_num_threads(before)
