@@ -20,6 +20,7 @@ from .configuration import TfmConfig, TfmSeq2SeqConfig
 # Imported eagerly, unlike `convert` below: it needs nothing beyond `modeling`, and the function shares its module's
 # name, so a lazy `__getattr__` would lose to the submodule (`import hf_tfm.from_torch` sets `hf_tfm.from_torch`).
 from .from_torch import from_torch
+from .inference import compile_generation, load_for_inference
 from .modeling import (
     TfmForCausalLM,
     TfmForConditionalGeneration,
@@ -88,10 +89,12 @@ __all__ = [
     "TfmPreTrainedModel",
     "TfmSeq2SeqConfig",
     "TfmSeq2SeqModel",
+    "compile_generation",
     "convert_path",
     "export",
     "export_blockers",
     "from_hf",
     "from_torch",
+    "load_for_inference",
     "to_hf",
 ]

@@ -607,30 +607,19 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
-    from transformers import AutoConfig, AutoModelForSeq2SeqLM, TextStreamer
+    from transformers import TextStreamer
 
-    from .recipes import load_causal_lm
+    from .inference import load_for_inference
+    from .quantization import QuantizationUnavailableError
 
     _require_model_dir(args.model)
     tokenizer = _load_tokenizer(args.model)
-    config = AutoConfig.from_pretrained(args.model, trust_remote_code=True)
-    loading: dict[str, Any] = {}
-    if args.quantize:
-        from .quantization import QuantizationUnavailableError, quantization_kwargs
-
-        try:
-            loading = quantization_kwargs(args.quantize, config)
-        except (QuantizationUnavailableError, ValueError) as err:
-            raise CliError(str(err)) from err
-        # bitsandbytes logs a line per matmul (input casts) and per process (an optional Hub kernel it cannot fetch)
+    if args.quantize:  # bitsandbytes logs a line per matmul (input casts) and one for an optional Hub kernel
         logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    if args.dtype:
-        loading["dtype"] = getattr(torch, args.dtype)
-    seq2seq = getattr(config, "is_encoder_decoder", False)
-    if seq2seq:  # the prompt is the source; what streams out is the decoder's text
-        model = AutoModelForSeq2SeqLM.from_pretrained(args.model, trust_remote_code=True, **loading).eval()
-    else:
-        model = load_causal_lm(args.model, **loading).eval()
+    try:
+        model = load_for_inference(args.model, quantize=args.quantize, compile=args.compile, dtype=args.dtype)
+    except (QuantizationUnavailableError, ValueError) as err:
+        raise CliError(str(err)) from err
     if args.seed is not None:
         torch.manual_seed(args.seed)
     options: dict[str, Any] = {"max_new_tokens": args.max_new_tokens}
@@ -963,6 +952,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=["float32", "bfloat16"],
         help="dtype of the weights (default: the checkpoint's; with --quantize, of the unquantized ones)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode with a static cache and a compiled step (hf_tfm.load_for_inference); compiling takes seconds "
+        "to a minute first (docs/fast-inference.md)",
     )
     p.set_defaults(func=cmd_generate)
 

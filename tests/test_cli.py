@@ -347,8 +347,12 @@ def test_generate_streams_text(user_models, capsys):
     _, lm, _ = user_models
     assert main(["generate", str(lm), "--prompt", "def ", "--max-new-tokens", "6", "--seed", "0"]) == 0
     assert capsys.readouterr().out.startswith("def ")
-    assert main(["generate", str(lm), "--prompt", "def ", "--max-new-tokens", "6", "--greedy", "--no-stream"]) == 0
-    assert capsys.readouterr().out.startswith("def ")
+    greedy = ["generate", str(lm), "--prompt", "def ", "--max-new-tokens", "6", "--greedy", "--no-stream"]
+    assert main(greedy) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("def ")
+    assert main([*greedy, "--compile"]) == 0  # a static cache and a compiled step: the same tokens
+    assert capsys.readouterr().out == text
 
 
 def test_classify_texts_and_file(user_models, capsys):

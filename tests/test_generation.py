@@ -11,7 +11,7 @@ import torch
 from conftest import build, cache_of, random_ids, tiny_config
 from transformers import DynamicCache, StaticCache
 
-from hf_tfm import TfmForCausalLM
+from hf_tfm import TfmForCausalLM, load_for_inference
 from hf_tfm.modeling import CACHE_NAME
 
 NEW = 8
@@ -159,3 +159,31 @@ def test_fullgraph_compile_and_compiled_static_generate():
     tokens = model.generate(ids, **kwargs, cache_implementation="static", compile_config=config)
     assert hasattr(model, "_compiled_call")
     assert torch.equal(tokens, reference)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# load_for_inference: a static cache and a compiled decode step behind the ordinary generate()
+
+
+@pytest.mark.parametrize("kind", ["causal", "seq2seq"])
+def test_load_for_inference_compiled_greedy_equals_eager(kind, tmp_path):
+    """The compiled path's greedy tokens are eager generate()'s, on a left-padded batch of prompts of different
+    lengths; it compiled (a graph) as one graph per step (no graph breaks). Trained models: every step has a clear
+    winner, so float noise between the compiled and eager kernels cannot flip a token."""
+    from export_models import NEW_TOKENS, PROMPTS, trained, trained_seq2seq
+    from torch._dynamo.utils import counters
+
+    eager = trained({}) if kind == "causal" else trained_seq2seq({"is_causal": False}, {})
+    eager.save_pretrained(tmp_path)
+    fast = load_for_inference(tmp_path)
+    assert fast.generation_config.cache_implementation == "static" and not fast.training
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+    options = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False}
+    expected = eager.generate(ids, attention_mask=mask, **options)
+    torch._dynamo.reset()
+    counters.clear()
+    assert torch.equal(fast.generate(ids, attention_mask=mask, **options), expected)
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters)
+    assert load_for_inference(tmp_path, compile=False).generation_config.cache_implementation is None

@@ -17,6 +17,7 @@ takes output sizes divisible by 32, quanto's int4 groups 128 input features.
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 
 import pytest
@@ -366,6 +367,28 @@ def test_cli_generate_quantize(lm_folder, setting, capsys):
     assert capsys.readouterr().out.startswith("def ")
 
 
+def test_load_for_inference_quantizes_and_compiles_what_transformers_can(lm_folder, caplog):
+    """torchao int4 decodes compiled (it built a graph); bitsandbytes NF4 cannot be compiled: a warning, and eager
+    decoding."""
+    from torch._dynamo.utils import counters
+
+    from hf_tfm import load_for_inference
+
+    pytest.importorskip("torchao")
+    int4 = load_for_inference(lm_folder, quantize="int4")
+    assert is_quantized(int4.model.layers[0].mlp.up_proj) and int4.generation_config.cache_implementation == "static"
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = int4.generate(IDS[:1, :8], max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert counters["stats"]["unique_graphs"] >= 1
+    eager = int4.generate(IDS[:1, :8], max_new_tokens=8, min_new_tokens=8, do_sample=False, disable_compile=True)
+    assert compiled.shape == eager.shape == (1, 16)
+    pytest.importorskip("bitsandbytes")
+    with caplog.at_level(logging.WARNING, logger="hf_tfm.inference"):
+        nf4 = load_for_inference(lm_folder, quantize="nf4")
+    assert "cannot be compiled" in caplog.text and nf4.generation_config.cache_implementation is None
+
+
 @pytest.mark.parametrize(("hidden", "group_size"), [(128, 128), (192, 64), (96, 32)])
 def test_int4_groups_fit_every_linear_layer(hidden, group_size):
     """torchao leaves a layer whose input features are not a whole number of groups unquantized, without an error:
@@ -406,8 +429,9 @@ def test_docs_fast_inference_blocks(tmp_path, monkeypatch):
     """The docs' int8 lead, quantized-loading and QLoRA blocks run as written (one namespace, a scratch directory)."""
     for module in ("bitsandbytes", "torchao", "peft"):
         pytest.importorskip(module, reason="the page's blocks use it (in the dev extra)")
-    namespace = run_doc_blocks("fast-inference", 3, tmp_path, monkeypatch)
+    namespace = run_doc_blocks("fast-inference", 4, tmp_path, monkeypatch)
     assert namespace["tokens"].shape == (1, 12)
+    assert torch.equal(namespace["fast_tokens"], namespace["tokens"])  # compiled, the eager tokens
     assert is_quantized(namespace["lm8"].model.layers[0].mlp.up_proj)
     assert namespace["out"].shape == namespace["fast"].shape == (1, 12)
     assert is_quantized(namespace["int4"].model.layers[0].mlp.up_proj)
