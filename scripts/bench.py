@@ -1236,6 +1236,8 @@ def decode_markdown(rows: list[dict], bandwidth: dict, batches: tuple[int, int])
 RUNTIME_SETTINGS = {
     # name: (format, quantize, what)
     "hf_tfm fp32": ("hf_tfm", None, "hf_tfm generate(), float32, eager"),
+    "hf_tfm fp32 compiled": ("hf_tfm+compile", None, "hf_tfm load_for_inference(): static cache, compiled step"),
+    "hf_tfm int4 compiled": ("hf_tfm+compile", "int4", "load_for_inference(quantize='int4'): torchao CPU int4, bf16"),
     "onnx float32": ("onnx", None, "ONNX Runtime 1.32, float32 graphs"),
     "onnx int8": ("onnx", "int8", "ONNX Runtime, int8 MatMul weights per channel"),
     "onnx int4": ("onnx", "int4", "ONNX Runtime, int4 MatMulNBits, blocks of 32"),
@@ -1253,7 +1255,7 @@ LLAMA_CPP_PYTHON = Path(__file__).resolve().parents[1] / ".venv-llama-cpp" / "bi
 def _weight_bytes(fmt: str, path: str, model: nn.Module) -> int:
     """Bytes of weights a decode step reads: hf_tfm's streamed parameters; for an export, its weight files (the
     decode graph's for ONNX, model.bin for CTranslate2, the GGUF file), so a stored copy of the token table counts."""
-    if fmt == "hf_tfm":
+    if fmt.startswith("hf_tfm"):
         return streamed_weight_bytes(model)
     if fmt == "gguf":
         return Path(path).stat().st_size
@@ -1261,10 +1263,14 @@ def _weight_bytes(fmt: str, path: str, model: nn.Module) -> int:
     return sum(f.stat().st_size for f in files)
 
 
-def _time_in_process(fmt: str, path: str, prompts: list[list[int]], new: int, rounds: int, threads: int) -> dict:
+def _time_in_process(
+    fmt: str, path: str, prompts: list[list[int]], new: int, rounds: int, threads: int, quantize: str | None = None
+) -> dict:
     import subprocess
 
     request = {"format": fmt, "path": path, "prompts": prompts, "new": new, "rounds": rounds, "threads": threads}
+    if fmt.startswith("hf_tfm"):  # for an export, `quantize` was the export's
+        request["quantize"] = quantize
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     python = sys.executable
     if fmt == "gguf":
@@ -1300,15 +1306,19 @@ def runtimes(size: str, args, bandwidth: dict) -> list[dict]:
             row = {"size": size, "setting": name, "what": what}
             print(f"[bench] {size} runtime {name} ...", file=sys.stderr, flush=True)
             try:
-                path = folder
-                if fmt != "hf_tfm":
+                path, weights = folder, model
+                if not fmt.startswith("hf_tfm"):
                     out = os.path.join(tmp, name.replace(" ", "-") + (".gguf" if fmt == "gguf" else ""))
                     path = str(export(folder, out, format=fmt, quantize=quantize))
-                row["weight_bytes_per_step"] = _weight_bytes(fmt, path, model)
+                elif quantize:  # the weights as that setting loads them, to count their bytes
+                    from hf_tfm import load_for_inference
+
+                    weights = load_for_inference(folder, quantize=quantize, compile=False)
+                row["weight_bytes_per_step"] = _weight_bytes(fmt, path, weights)
                 for batch in shp["decode_batches"]:
                     seed = torch.Generator().manual_seed(0)
                     prompts = torch.randint(3, vocab, (batch, shp["prompt"]), generator=seed)
-                    t = _time_in_process(fmt, path, prompts.tolist(), shp["new"], args.rounds, args.threads)
+                    t = _time_in_process(fmt, path, prompts.tolist(), shp["new"], args.rounds, args.threads, quantize)
                     row[f"b{batch}_step_s"] = step = t["step"]
                     row[f"b{batch}_bandwidth_frac"] = row["weight_bytes_per_step"] / step / bandwidth["bytes_per_s"]
             except Exception as err:  # a runtime that does not run here is reported, with its error

@@ -2,7 +2,8 @@
 
 Two OpenMP runtimes in one process slow each other (CTranslate2 next to torch slowed torch 1.7-2.4x here), so this
 script imports only the runtime it times: torch for hf_tfm, onnxruntime + numpy for ONNX, ctranslate2 for CTranslate2.
-It reads a JSON request on stdin (`format`, `path`, `prompts`, `new`, `rounds`, `threads`) and prints, as JSON, the
+It reads a JSON request on stdin (`format`, `path`, `prompts`, `new`, `rounds`, `threads`; for hf_tfm `quantize`) and
+prints, as JSON, the
 median seconds of one decode step (`step`) over `rounds` calls of `new` greedy tokens each; with
 `"mode": "score"` (`scripts/quality.py --runtimes`) it scores the export's next-token predictions on `blocks` instead.
 """
@@ -36,14 +37,13 @@ class StepClock:
         return (self.stamps[-1] - self.stamps[-new]) / (new - 1)
 
 
-def _hf_tfm(path: str, prompts: list[list[int]], threads: int):
+def _hf_tfm(path: str, prompts: list[list[int]], threads: int, quantize: str | None = None, compile: bool = False):
     import torch
-    from transformers import AutoModelForCausalLM
 
-    import hf_tfm  # noqa: F401  (registers the Auto classes)
+    from hf_tfm import load_for_inference
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model = load_for_inference(path, quantize=quantize, compile=compile)  # what `hf-tfm generate` loads
     ids = torch.tensor(prompts)
     mask = torch.ones_like(ids)
 
@@ -56,6 +56,10 @@ def _hf_tfm(path: str, prompts: list[list[int]], threads: int):
         return clock.step_seconds(new)
 
     return run
+
+
+def _hf_tfm_compiled(path: str, prompts: list[list[int]], threads: int, quantize: str | None = None):
+    return _hf_tfm(path, prompts, threads, quantize, compile=True)
 
 
 def _onnx(path: str, prompts: list[list[int]], threads: int):
@@ -140,7 +144,13 @@ def _llama_cpp(path: str, prompts: list[list[int]], threads: int):
     return run
 
 
-RUNNERS = {"hf_tfm": _hf_tfm, "onnx": _onnx, "ctranslate2": _ctranslate2, "gguf": _llama_cpp}
+RUNNERS = {
+    "hf_tfm": _hf_tfm,
+    "hf_tfm+compile": _hf_tfm_compiled,
+    "onnx": _onnx,
+    "ctranslate2": _ctranslate2,
+    "gguf": _llama_cpp,
+}
 
 
 def score(request: dict) -> dict:
@@ -186,8 +196,9 @@ def main() -> None:
     if request.get("mode") == "score":
         print(json.dumps(score(request)))
         return
-    run = RUNNERS[request["format"]](request["path"], request["prompts"], request["threads"])
-    run(request["new"])  # warm-up: kernels, allocations, caches
+    options = {"quantize": request["quantize"]} if request.get("quantize") else {}
+    run = RUNNERS[request["format"]](request["path"], request["prompts"], request["threads"], **options)
+    run(request["new"])  # warm-up: kernels, allocations, caches (and compiling)
     steps = [run(request["new"]) for _ in range(request["rounds"])]
     print(json.dumps({"step": statistics.median(steps)}))
 

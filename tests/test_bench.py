@@ -172,14 +172,16 @@ def test_bench_runtimes_tiny(tmp_path):
     bench = load_bench()
     threads = torch.get_num_threads()
     out_path, charts = tmp_path / "runtimes.json", tmp_path / "charts"
-    argv = ["--size", "tiny", "--runtimes", "onnx_int8,ct2_float32", "--rounds", "1", "--threads", "1"]
+    settings = "onnx_int8,ct2_float32,hf_tfm_int4_compiled"
+    pytest.importorskip("torchao")
+    argv = ["--size", "tiny", "--runtimes", settings, "--rounds", "1", "--threads", "1"]
     try:
         bench.main([*argv, "--json", str(out_path), "--charts", str(charts)])
     finally:
         torch.set_num_threads(threads)
     out = json.loads(out_path.read_text())
     rows = {r["setting"]: r for r in out["runtimes"]}
-    assert list(rows) == ["hf_tfm fp32", "onnx int8", "ct2 float32"]  # the reference comes first, always
+    assert list(rows) == ["hf_tfm fp32", "onnx int8", "ct2 float32", "hf_tfm int4 compiled"]  # the reference first
     for name, r in rows.items():
         assert "error" not in r, r
         assert r["weight_bytes_per_step"] > 0
@@ -187,5 +189,7 @@ def test_bench_runtimes_tiny(tmp_path):
             assert r[f"b{batch}_step_s"] > 0 and math.isfinite(r[f"b{batch}_speedup_vs_hf_tfm_fp32"]), name
     assert rows["hf_tfm fp32"]["b1_speedup_vs_hf_tfm_fp32"] == 1.0
     assert rows["onnx int8"]["weight_bytes_per_step"] < rows["ct2 float32"]["weight_bytes_per_step"]
+    # int4 weights with bf16 around them: fewer bytes than fp32 (the tiny model's embeddings dominate both)
+    assert rows["hf_tfm int4 compiled"]["weight_bytes_per_step"] < rows["hf_tfm fp32"]["weight_bytes_per_step"]
     assert "| tiny | onnx int8 |" in out["markdown"]
     assert_charts([charts / "runtimes.png"])
