@@ -315,6 +315,7 @@ def test_free_core_threads_restores_the_thread_count():
     assert torch.get_num_threads() == before
 
 
+@pytest.mark.slow  # the lanes that deselect slow tests run beside another one: a busy machine
 @pytest.mark.solo
 def test_free_core_threads_gives_a_busy_process_its_core_and_takes_it_back():
     cores = len(os.sched_getaffinity(0))
