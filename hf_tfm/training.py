@@ -132,9 +132,10 @@ class FreeCoreThreads(TrainerCallback):
         self.every_s, self.first_s = every_s, first_s
         self.max_threads = torch.get_num_threads()
         self._last: CpuSample | None = None
+        self._off = False  # one thread to start with (torchrun's ranks, OMP_NUM_THREADS=1), or no /proc/stat
 
     def __enter__(self) -> "FreeCoreThreads":
-        self.max_threads = torch.get_num_threads()
+        self.max_threads, self._off = torch.get_num_threads(), False
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -142,8 +143,9 @@ class FreeCoreThreads(TrainerCallback):
 
     def adapt(self) -> None:
         """Measure the other processes' CPU use since the last call and set the thread count from it."""
-        now = cpu_sample()
-        if now is None or self.max_threads == 1:
+        now = None if self._off or self.max_threads == 1 else cpu_sample()
+        if now is None:  # nothing to adapt: stop looking (steps call this every time otherwise)
+            self._off = True
             return
         if self._last is not None:
             threads = min(free_cores(self._last, now), self.max_threads)
@@ -153,14 +155,15 @@ class FreeCoreThreads(TrainerCallback):
         self._last = now
 
     def _maybe_adapt(self) -> None:
-        if self._last is None or time.monotonic() - self._last.wall >= self.every_s:
+        if not self._off and (self._last is None or time.monotonic() - self._last.wall >= self.every_s):
             self.adapt()
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._last = None
         self.adapt()  # a first look before the first step: a short idle window that is all others' time
-        time.sleep(self.first_s)
-        self.adapt()
+        if not self._off:
+            time.sleep(self.first_s)
+            self.adapt()
 
     def on_step_end(self, args, state, control, **kwargs):
         self._maybe_adapt()
