@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from export_models import NEW_TOKENS, PROMPTS, train_tokenizer, trained
-from test_export_gguf import BLOOM, GPT2, LLAMA, LLAMA_GQA_UNTIED, QWEN2, QWEN3
+from test_export_gguf import BLOOM, GPT2, LLAMA, LLAMA_GQA_UNTIED, MIXTRAL, MOE, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
 
 from hf_tfm.exporters import export
 
@@ -29,6 +29,7 @@ pytestmark = [
 # reads a table of the tanh form (gpt2: measured 1.4e-4; bloom, whose MLP is twice as wide: 1.4e-3). llama-cpp-python
 # 0.3.36, transformers 5.24 and 5.16.1.
 F32_ATOL = {"llama": 1e-4, "llama-gqa-untied": 1e-4, "qwen2": 1e-4, "qwen3": 1e-4, "gpt2": 2e-3, "bloom": 5e-3}
+F32_ATOL |= dict.fromkeys(("mixtral", "mixtral-tied", "qwen2moe", "qwen3moe"), 1e-4)
 CASES = {
     "llama": LLAMA,
     "llama-gqa-untied": LLAMA_GQA_UNTIED,
@@ -36,6 +37,10 @@ CASES = {
     "qwen3": QWEN3,
     "gpt2": GPT2,
     "bloom": BLOOM,  # ALiBi: llama.cpp adds slope * j, hf_tfm -slope * |i - j| (equal after the causal softmax)
+    "mixtral": MIXTRAL,  # experts: llama.cpp's own routing (softmax, top-k, renormalised; qwen2moe not renormalised)
+    "mixtral-tied": MOE,
+    "qwen2moe": QWEN2_MOE,
+    "qwen3moe": QWEN3_MOE,
 }
 
 

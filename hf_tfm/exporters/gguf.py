@@ -5,7 +5,8 @@ keeps each architecture from it:
 
 * `llama`: RoPE (default, linear or llama3 scaling), RMSNorm, pre-norm, SwiGLU, GQA, no biases, tied or untied head.
   llama.cpp rotates adjacent pairs, hf_tfm halves (rotate-half), so q/k rows are permuted as llama.cpp's converter
-  does (and transformers' GGUF loader undoes).
+  does (and transformers' GGUF loader undoes). With experts on every layer it is Mixtral's block (llama.cpp writes
+  Mixtral as `llama`): softmax over the experts, top-k probabilities renormalised, no shared expert.
 * `qwen2`: the same block with q/k/v biases and `heads * head_dim == hidden`; RoPE in the halves layout (no permute).
 * `qwen3`: the llama block with an RMSNorm of each head's queries and keys before RoPE (`qk_norm`, head scope), any
   `head_dim`, no biases; RoPE in the halves layout (no permute).
@@ -15,6 +16,11 @@ keeps each architecture from it:
   gpt2 block without position tables: LayerNorm, tanh-GELU MLP of 4 * hidden, biases everywhere, no GQA. Its graph
   adds `slope * j` where hf_tfm adds `-slope * |i - j|`: per query row they differ by a constant, which the causal
   softmax removes.
+* `qwen2moe`: Qwen2-MoE's block: the qwen2 attention (q/k/v biases), every layer's feed-forward routed experts
+  (softmax over the experts, top-k probabilities not renormalised: `norm_topk_prob=False`) plus the sigmoid-gated
+  shared expert.
+* `qwen3moe`: Qwen3-MoE's block: the qwen3 attention (per-head qk-norm, no biases), every layer's feed-forward routed
+  experts with the top-k probabilities renormalised (`norm_topk_prob=True`), no shared expert.
 
 The folder's byte-level BPE tokenizer goes in as llama.cpp's "gpt2" vocabulary with the GPT-2 pre-tokenizer (hf_tfm
 trains with GPT-2's regex), so llama.cpp tokenizes as hf_tfm does. `verify_gguf` loads a written file back through
@@ -34,7 +40,8 @@ from ..convert.core import export_blockers, need
 from ._common import agreement_report, greedy_references, prompt_ids, run_side
 
 RUNTIME = "llama.cpp"
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "bloom")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "bloom", "qwen2moe", "qwen3moe")
+MOE = ("qwen2moe", "qwen3moe")  # experts on every layer (llama takes them too: Mixtral's block)
 # --quantize value -> (GGMLQuantizationType name for 2-D weights, LlamaFileType name for general.file_type)
 TYPES = {
     "f32": ("F32", "ALL_F32"),
@@ -46,7 +53,11 @@ TYPES = {
 QUANT_BLOCK = 32  # Q8_0 / Q4_0 quantize runs of 32 values along the last dimension
 # RoPE scaling types the llama.cpp graph computes as transformers does: linear is its `freq_scale`, llama3 its
 # `rope_freqs` factors. dynamic (recomputed per length) and longrope have no llama/qwen form; yarn is not checked.
-ROPE_TYPES = {"llama": ("default", "linear", "llama3"), "qwen2": ("default", "linear"), "qwen3": ("default", "linear")}
+ROPE_TYPES = {"llama": ("default", "linear", "llama3")}
+ROPE_TYPES |= dict.fromkeys(("qwen2", "qwen3", "qwen2moe", "qwen3moe"), ("default", "linear"))
+# Weights kept in F32 whatever the type, as llama.cpp's converter and quantizer keep them: the routers (rounded, a
+# router sends tokens to other experts) and the position table.
+F32_WEIGHTS = ("ffn_gate_inp.weight", "position_embd.weight")
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # ggml's GELU is the tanh approximation
 INSTALL_HINT = 'GGUF export needs the `gguf` package: pip install gguf (or pip install "hf-tfm[export]")'
 
@@ -64,11 +75,14 @@ def _import_gguf():
 
 
 def _common_blockers(config: TfmConfig, arch: str, out: list[str]) -> None:
-    """What none of the llama.cpp graphs written here computes (qk-norm: only qwen3's)."""
+    """What none of the llama.cpp graphs written here computes (qk-norm: only qwen3's; experts: only the MoE ones)."""
     family = f"{RUNTIME} {arch}"
     need(config, out, family, "is_causal", True, "True (a decoder)")
     need(config, out, family, "add_cross_attention", False)
-    need(config, out, family, "num_experts", None, "None (no mixture-of-experts layers)")
+    if arch in MOE or (arch == "llama" and config.num_experts is not None):  # llama + experts: Mixtral's block
+        _moe_blockers(config, arch, out)
+    else:
+        need(config, out, family, "num_experts", None, "None (no mixture-of-experts layers)")
     need(config, out, family, "norm_position", "pre")
     need(config, out, family, "final_norm", True)
     need(config, out, family, "first_layer_attn_norm", True)
@@ -77,7 +91,7 @@ def _common_blockers(config: TfmConfig, arch: str, out: list[str]) -> None:
     else:
         need(config, out, family, "embedding_norm", False)
     need(config, out, family, "parallel_residual", False)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         need(config, out, family, "qk_norm", True, "True (its q/k norms are always there)")
         if config.qk_norm:
             need(config, out, family, "qk_norm_scope", "head", "'head' (its q/k norms act per head)")
@@ -88,6 +102,23 @@ def _common_blockers(config: TfmConfig, arch: str, out: list[str]) -> None:
     need(config, out, family, "lm_head_bias", False)
     sliding = "only 'full_attention' (its graph has no sliding window)"
     need(config, out, family, "layer_types", lambda v: set(v) == {"full_attention"}, sliding)
+
+
+def _moe_blockers(config: TfmConfig, arch: str, out: list[str]) -> None:
+    """Experts on every layer, routed as the architecture's graph routes them."""
+    family = f"{RUNTIME} {arch}"
+    need(config, out, family, "num_experts", lambda v: v is not None, "experts (a number, not None)")
+    if config.num_experts is None:
+        return
+    need(config, out, family, "mlp_only_layers", lambda v: not v, "none (experts on every layer)")
+    need(config, out, family, "decoder_sparse_step", 1, "1 (experts on every layer)")
+    if arch == "qwen2moe":  # its graph scales by the softmax's top-k probabilities as they are, then adds the shared
+        need(config, out, family, "norm_topk_prob", False, "False (top-k probabilities not renormalised)")
+        shared = "a width (its sigmoid-gated shared expert is always there)"
+        need(config, out, family, "shared_expert_intermediate_size", lambda v: v is not None, shared)
+    else:
+        need(config, out, family, "norm_topk_prob", True, "True (top-k probabilities renormalised)")
+        need(config, out, family, "shared_expert_intermediate_size", None, "None (no shared expert)")
 
 
 def _rope_blockers(config: TfmConfig, arch: str, out: list[str]) -> None:
@@ -115,7 +146,7 @@ def _llama_blockers(config: TfmConfig, arch: str) -> list[str]:
     need(config, out, family, "hidden_act", "silu")
     need(config, out, family, "mlp_bias", False)
     need(config, out, family, "attention_out_bias", False)
-    if arch in ("llama", "qwen3"):
+    if arch in ("llama", "qwen3", "qwen3moe"):
         need(config, out, family, "attention_bias", False)
     else:
         need(config, out, family, "attention_bias", True, "True (q/k/v biases)")
@@ -158,6 +189,8 @@ def gguf_architecture_blockers(config: TfmConfig | TfmSeq2SeqConfig) -> dict[str
         "qwen3": _llama_blockers(config, "qwen3"),
         "gpt2": _layernorm_blockers(config, "gpt2"),
         "bloom": _layernorm_blockers(config, "bloom"),
+        "qwen2moe": _llama_blockers(config, "qwen2moe"),
+        "qwen3moe": _llama_blockers(config, "qwen3moe"),
     }
 
 
@@ -238,7 +271,8 @@ def _tensors(model: torch.nn.Module, arch: str) -> dict[str, torch.Tensor]:
     if arch == "bloom":
         out["token_embd_norm.weight"] = state["model.embed_norm.weight"]
         out["token_embd_norm.bias"] = state["model.embed_norm.bias"]
-    if not config.tie_word_embeddings:  # tied: llama.cpp and transformers' loader fall back to token_embd
+    # Tied: llama.cpp and transformers' loader fall back to token_embd, except qwen2moe's, which needs output.weight
+    if not config.tie_word_embeddings or arch == "qwen2moe":
         out["output.weight"] = state["lm_head.weight"]
     if arch == "llama" and config.rope_parameters["rope_type"] == "llama3":
         out["rope_freqs.weight"] = _llama3_rope_factors(config, model.model.rotary_emb.inv_freq)
@@ -253,19 +287,22 @@ def _tensors(model: torch.nn.Module, arch: str) -> dict[str, torch.Tensor]:
             out[blk + "attn_qkv.bias"] = torch.cat([state[f"{layer}self_attn.{n}_proj.bias"] for n in "qkv"])
         else:
             out.update({blk + "attn_q.weight": q, blk + "attn_k.weight": k, blk + "attn_v.weight": v})
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2moe"):
             for name in "qkv":
                 out[f"{blk}attn_{name}.bias"] = state[f"{layer}self_attn.{name}_proj.bias"]
-        if arch == "qwen3":  # (head_dim,) RMSNorm weights, shared by the heads
+        if arch in ("qwen3", "qwen3moe"):  # (head_dim,) RMSNorm weights, shared by the heads
             out[blk + "attn_q_norm.weight"] = state[layer + "self_attn.q_norm.weight"]
             out[blk + "attn_k_norm.weight"] = state[layer + "self_attn.k_norm.weight"]
         out[blk + "attn_output.weight"] = state[layer + "self_attn.o_proj.weight"]
         out[blk + "attn_norm.weight"] = state[layer + "attn_norm.weight"]
         out[blk + "ffn_norm.weight"] = state[layer + "mlp_norm.weight"]
-        if not layernorm:
-            out[blk + "ffn_gate.weight"] = state[layer + "mlp.gate_proj.weight"]
-        out[blk + "ffn_up.weight"] = state[layer + "mlp.up_proj.weight"]
-        out[blk + "ffn_down.weight"] = state[layer + "mlp.down_proj.weight"]
+        if config.num_experts is not None:
+            out.update(_expert_tensors(state, layer, blk))
+        else:
+            if not layernorm:
+                out[blk + "ffn_gate.weight"] = state[layer + "mlp.gate_proj.weight"]
+            out[blk + "ffn_up.weight"] = state[layer + "mlp.up_proj.weight"]
+            out[blk + "ffn_down.weight"] = state[layer + "mlp.down_proj.weight"]
         if layernorm:
             for ours, theirs in (
                 ("self_attn.o_proj", "attn_output"),
@@ -278,11 +315,29 @@ def _tensors(model: torch.nn.Module, arch: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def _expert_tensors(state: dict[str, torch.Tensor], layer: str, blk: str) -> dict[str, torch.Tensor]:
+    """A sparse layer's router, experts (3-D: expert, out, in) and shared expert, under llama.cpp's names."""
+    gate, up = state[layer + "mlp.experts.gate_up_proj"].chunk(2, dim=1)  # (E, 2 I, H) -> 2 x (E, I, H)
+    out = {
+        blk + "ffn_gate_inp.weight": state[layer + "mlp.gate.weight"],  # (E, H)
+        blk + "ffn_gate_exps.weight": gate.contiguous(),
+        blk + "ffn_up_exps.weight": up.contiguous(),
+        blk + "ffn_down_exps.weight": state[layer + "mlp.experts.down_proj"],  # (E, H, I)
+    }
+    if layer + "mlp.shared_expert_gate.weight" in state:
+        out[blk + "ffn_gate_inp_shexp.weight"] = state[layer + "mlp.shared_expert_gate.weight"][0]  # (1, H) -> (H,)
+        for ours, theirs in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+            out[f"{blk}ffn_{theirs}_shexp.weight"] = state[f"{layer}mlp.shared_expert.{ours}.weight"]
+    return out
+
+
 def _add_tensor(writer, gguf, name: str, tensor: torch.Tensor, qtype: str) -> None:
-    """2-D weights in the requested type (F16 where a row does not split into 32-value blocks, as llama.cpp's
-    converter falls back); 1-D tensors (norms, biases, RoPE factors) in F32."""
+    """Weights (2-D, and the experts' 3-D) in the requested type (F16 where a row does not split into 32-value blocks,
+    as llama.cpp's converter falls back); 1-D tensors (norms, biases, RoPE factors, the shared expert's gate) and
+    `F32_WEIGHTS` in F32."""
     data = tensor.numpy().astype("float32")
-    kind = gguf.GGMLQuantizationType[qtype] if data.ndim == 2 else gguf.GGMLQuantizationType.F32
+    full = data.ndim < 2 or name.endswith(F32_WEIGHTS)
+    kind = gguf.GGMLQuantizationType.F32 if full else gguf.GGMLQuantizationType[qtype]
     if kind in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0) and data.shape[-1] % QUANT_BLOCK:
         kind = gguf.GGMLQuantizationType.F16
     if kind == gguf.GGMLQuantizationType.F32:
@@ -392,7 +447,15 @@ def _write(writer, gguf, config: TfmConfig, arch: str, tensors: dict, tok: dict,
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
+    # llama's graph sizes its experts by the feed-forward length (the MoE ones by their expert length)
+    mixtral = arch == "llama" and config.num_experts is not None
+    writer.add_feed_forward_length(config.moe_intermediate_size if mixtral else config.intermediate_size)
+    if config.num_experts is not None:
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if config.shared_expert_intermediate_size is not None:
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_vocab_size(config.vocab_size)
     if arch in ("gpt2", "bloom"):
@@ -470,16 +533,69 @@ def export_gguf(
 # Verification through transformers' GGUF loader
 
 # Runs on the GGUF side, in a fresh interpreter that imports no hf_tfm (or in-process, for tests): the in-tree model
-# transformers builds from the file alone, its greedy tokens, and its logits on the reference sequences.
+# transformers builds from the file alone, its greedy tokens, and its logits on the reference sequences. llama files
+# with experts are Mixtral's block, which transformers' GGUF loader does not read: an in-tree Mixtral is built from the
+# file's keys and tensors (dequantized by the gguf package, q/k rows permuted back), as its loader does for Llama.
 _GGUF_SIDE = r"""
 import torch
 from transformers import AutoModelForCausalLM
 
 
+def mixtral(path, overrides):
+    import gguf
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    reader = gguf.GGUFReader(path)
+    key = lambda name: reader.fields["llama." + name].parts[-1][0].item()
+    tensors = {}
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        tensors[t.name] = torch.from_numpy(data.copy()).float()
+    heads, kv_heads = key("attention.head_count"), key("attention.head_count_kv")
+
+    def unpermute(w, n):  # llama.cpp's adjacent pairs -> rotate-half rows, per head
+        return w.reshape(n, w.shape[0] // n // 2, 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+
+    config = MixtralConfig(**{
+        "vocab_size": tensors["token_embd.weight"].shape[0], "hidden_size": key("embedding_length"),
+        "intermediate_size": key("feed_forward_length"), "num_hidden_layers": key("block_count"),
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": key("attention.key_length"),
+        "max_position_embeddings": key("context_length"), "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "num_local_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
+        "rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base")},
+        "tie_word_embeddings": "output.weight" not in tensors, **overrides,
+    })
+    state = {
+        "model.embed_tokens.weight": tensors["token_embd.weight"], "model.norm.weight": tensors["output_norm.weight"],
+        "lm_head.weight": tensors.get("output.weight", tensors["token_embd.weight"]),
+    }
+    for i in range(config.num_hidden_layers):
+        blk, layer = f"blk.{i}.", f"model.layers.{i}."
+        state |= {
+            layer + "input_layernorm.weight": tensors[blk + "attn_norm.weight"],
+            layer + "post_attention_layernorm.weight": tensors[blk + "ffn_norm.weight"],
+            layer + "self_attn.q_proj.weight": unpermute(tensors[blk + "attn_q.weight"], heads),
+            layer + "self_attn.k_proj.weight": unpermute(tensors[blk + "attn_k.weight"], kv_heads),
+            layer + "self_attn.v_proj.weight": tensors[blk + "attn_v.weight"],
+            layer + "self_attn.o_proj.weight": tensors[blk + "attn_output.weight"],
+            layer + "mlp.gate.weight": tensors[blk + "ffn_gate_inp.weight"],
+            layer + "mlp.experts.gate_up_proj": torch.cat(
+                [tensors[blk + "ffn_gate_exps.weight"], tensors[blk + "ffn_up_exps.weight"]], dim=1
+            ),
+            layer + "mlp.experts.down_proj": tensors[blk + "ffn_down_exps.weight"],
+        }
+    model = MixtralForCausalLM(config)
+    model.load_state_dict(state, strict=True)
+    return model
+
+
 def run(args):
     path = args["path"]
     folder, name = path.rsplit("/", 1) if "/" in path else (".", path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, **args["overrides"])
+    if args["mixtral"]:
+        model = mixtral(path, args["overrides"])
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, **args["overrides"])
     model.eval()
     result = {"class": type(model).__name__, "tokens": [], "logits": []}
     with torch.no_grad():
@@ -530,6 +646,7 @@ def verify_gguf(
         "max_new_tokens": max_new_tokens,
         "pad_token_id": config.pad_token_id,
         "overrides": overrides,
+        "mixtral": arch == "llama" and _number(reader, "llama.expert_count") is not None,
     }
     # a local file: no Hub
     env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
@@ -565,6 +682,16 @@ def _loader_overrides(reader, config: TfmConfig, model: torch.nn.Module) -> dict
         return {"tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors)}
     # Qwen3 builds head_dim 128 (its config's default) whatever the file's key length says
     extra = {"head_dim": int(_number(reader, "qwen3.attention.key_length"))} if arch == "qwen3" else {}
+    if arch in MOE:  # the loader reads the expert count and top-k, not the widths, nor how the weights are scaled
+        extra = {
+            "moe_intermediate_size": int(_number(reader, f"{arch}.expert_feed_forward_length")),
+            "norm_topk_prob": arch == "qwen3moe",
+            "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
+        }
+        if arch == "qwen2moe":
+            extra["shared_expert_intermediate_size"] = int(
+                _number(reader, "qwen2moe.expert_shared_feed_forward_length")
+            )
     theta = _number(reader, f"{arch}.rope.freq_base")
     if _string(reader, f"{arch}.rope.scaling.type") == "linear":
         return {
