@@ -828,8 +828,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         return 0
     agreement = f"{report['agreement']:.1%} of {report['prompts']} x {report['max_new_tokens']}"
     how = RUNTIMES[args.format]
-    if args.format == "gguf":
+    if args.format == "gguf" and report["runtime"] == "transformers":
         how = f"transformers' GGUF loader ({report['architecture']} -> {report['class']})"
+    elif args.format == "gguf":
+        how = f"{report['class']} ({report['architecture']})"
     print(f"verified with {how}:")
     print(f"  greedy tokens equal: {'yes' if report['tokens_equal'] else 'no'} ({agreement} positions agree)")
     print(f"  largest logit difference: {report['max_logit_diff']:.3g}")
@@ -1011,14 +1013,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=list(RUNTIMES), default="gguf", help="default: gguf")
     p.add_argument(
         "--quantize",
-        help="weight type; gguf: f32 (default), f16, bf16, q8_0, q4_0; onnx: float32 (default), int8, int4; "
+        help="weight type; gguf: f32 (default), f16, bf16, q8_0, q4_0, q4_k_m (needs llama.cpp); onnx: float32 "
+        "(default), int8, int4; "
         "ctranslate2: float32 (default), int8, int8_float32, int16, float16, bfloat16; executorch: float32",
     )
     p.add_argument(
         "--verify",
         action="store_true",
-        help="run the export in a fresh process (gguf: through transformers' GGUF loader; the others: in the "
-        "runtime) and compare greedy tokens and logits with hf_tfm's (exit 1 when a float32 export's differ)",
+        help="run the export in a fresh process (gguf: through transformers' GGUF loader where it reads the "
+        "architecture, else in llama.cpp; the others: in the runtime) and compare greedy tokens and logits with "
+        "hf_tfm's (exit 1 when a float32 export's differ)",
     )
     p.add_argument("--prompt", action="append", help="--verify prompt (repeatable; default: two code prompts)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="--verify: greedy tokens per prompt (default 32)")

@@ -34,6 +34,15 @@ MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
 MIXTRAL = {**MOE, "num_key_value_heads": 2, "tie_word_embeddings": False}
 QWEN2_MOE = {**QWEN2, **MOE, "norm_topk_prob": False, "shared_expert_intermediate_size": 96}
 QWEN3_MOE = {**QWEN3, **MOE}
+# The blocks llama.cpp runs that transformers' GGUF loader does not read (verified in llama.cpp:
+# tests/test_export_llama_cpp.py): the default block with ALiBi, GPT-NeoX's, MPT's
+LAYERNORM_GELU = {"norm_type": "layernorm", "norm_eps": 1e-5, "ffn_type": "mlp", "hidden_act": "gelu_new"}
+REFACT = {"position_embedding_type": "alibi", "num_key_value_heads": 2}
+GPTNEOX = {**GPT2_BLOCK, "position_embedding_type": "rope", "parallel_residual": True, "tie_word_embeddings": False}
+GPTNEOX_SEQUENTIAL = {**GPT2_BLOCK, "position_embedding_type": "rope"}
+MPT = {**LAYERNORM_GELU, "position_embedding_type": "alibi", "num_key_value_heads": 2}
+MPT_LEARNED = {**LAYERNORM_GELU, "position_embedding_type": "learned", "norm_bias": False}
+MPT_SINUSOIDAL = {**GPT2_BLOCK, "position_embedding_type": "sinusoidal", "tie_word_embeddings": False}  # paper scale
 LINEAR_ROPE = {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}
 LLAMA3_ROPE = {
     "rope_parameters": {
@@ -190,13 +199,13 @@ def test_rope_scaling_metadata(tmp_path, tokenizer):
 # Each refusal: the knobs (overrides of the llama config) and the words the error must hold. The control is the same
 # config without them, which exports.
 REFUSALS = [
-    ({"position_embedding_type": "alibi"}, ["`position_embedding_type`='alibi'", "transformers.exporters"]),
+    ({"position_embedding_type": "alibi", "mlp_bias": True}, ["`mlp_bias`=True", "transformers.exporters"]),
     ({"norm_position": "post"}, ["`norm_position`='post'"]),
     ({"sliding_window": 16}, ["`layer_types`", "sliding window", "to_hf", "mistral"]),
     ({"qk_norm": True, "qk_norm_scope": "projection"}, ["`qk_norm`=True", "`qk_norm_scope`='projection'"]),
     ({"parallel_residual": True}, ["`parallel_residual`=True"]),
     ({"num_experts": 4, "mlp_only_layers": [0]}, ["`mlp_only_layers`=[0]", "experts on every layer"]),
-    ({"embedding_scale": 8.0}, ["`embedding_scale`=8.0"]),
+    ({"embedding_scale": 8.0}, ["`embedding_scale`=8.0", "folded into an untied model's token table"]),
     ({"lm_head_bias": True, "tie_word_embeddings": False}, ["`lm_head_bias`=True"]),
     ({"hidden_act": "gelu"}, ["`hidden_act`='gelu'"]),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, ["`rope_parameters`", "rope_type in"]),
@@ -225,8 +234,10 @@ def test_qwen2_qwen3_and_gpt2_controls():
     assert gguf_architecture(config_of(**GPT2)) == "gpt2"
     with pytest.raises(ValueError, match=r"`head_dim`=8 \(llama.cpp qwen2 needs hidden/heads\)"):
         gguf_architecture(config_of(**QWEN2, head_dim=8))
-    with pytest.raises(ValueError, match=r"`num_key_value_heads`=2 \(llama.cpp gpt2"):
-        gguf_architecture(config_of(**GPT2, num_key_value_heads=2))
+    # gpt2 has no GQA: GPT-2's block with it goes to mpt, whose biases are optional and whose q/k/v are GQA-sized
+    gpt2_gqa = config_of(**GPT2, num_key_value_heads=2)
+    assert "`num_key_value_heads`=2 (llama.cpp gpt2" in gguf_export.gguf_architecture_blockers(gpt2_gqa)["gpt2"][0]
+    assert gguf_architecture(gpt2_gqa) == "mpt"
 
 
 @pytest.mark.parametrize(
@@ -241,11 +252,11 @@ def test_qwen2_qwen3_and_gpt2_controls():
     ids=["no-embedding-norm", "mlp-width", "gqa", "erf-gelu", "no-mlp-bias"],
 )
 def test_bloom_refusals_with_control(knobs, words):
-    """ALiBi goes to llama.cpp's bloom only with its whole block; each knob that leaves it is named."""
+    """ALiBi goes to llama.cpp's bloom only with its whole block; each knob that leaves it is named (the config may
+    still go to mpt, BLOOM's block without the embedding norm)."""
     assert gguf_architecture(config_of(**BLOOM)) == "bloom"  # the control
-    with pytest.raises(ValueError, match=r"No llama\.cpp") as err:
-        gguf_architecture(config_of(**{**BLOOM, **knobs}))
-    assert words in str(err.value), str(err.value)
+    config = config_of(**{**BLOOM, **knobs})
+    assert any(words in b for b in gguf_export.gguf_architecture_blockers(config)["bloom"])
 
 
 @pytest.mark.parametrize(
@@ -276,11 +287,96 @@ def test_moe_refusals_with_control(base, knobs, words):
     assert words in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "arch"),
+    [
+        (REFACT, "refact"),
+        (GPTNEOX, "gptneox"),
+        (GPTNEOX_SEQUENTIAL, "gptneox"),
+        (MPT, "mpt"),
+        (MPT_LEARNED, "mpt"),
+        (MPT_SINUSOIDAL, "mpt"),
+        ({"embedding_scale": 8.0, "tie_word_embeddings": False}, "llama"),
+    ],
+    ids=["refact", "gptneox", "gptneox-sequential", "mpt-alibi", "mpt-learned-no-bias", "mpt-sinusoidal", "scaled"],
+)
+def test_llama_cpp_only_architectures_write_their_graph_keys(overrides, arch, tmp_path, tokenizer):
+    """What each llama.cpp graph reads besides the llama set: ALiBi without RoPE keys, GPT-NeoX's residual layout,
+    MPT's ALiBi bias (0: none) and position table (hf_tfm's sinusoidal table, row by row), a folded embedding scale.
+    Their numbers are checked in llama.cpp itself (tests/test_export_llama_cpp.py)."""
+    model = trained(overrides)
+    config = model.config
+    assert gguf_architecture(config) == arch
+    reader = gguf.GGUFReader(export(model, tmp_path / "model.gguf", tokenizer=tokenizer))
+    tensors = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+    assert _field(reader, "general.architecture") == arch
+    assert (f"{arch}.rope.freq_base" in reader.fields) == (config.position_embedding_type == "rope")
+    if arch == "gptneox":
+        assert _field(reader, "gptneox.use_parallel_residual") is config.parallel_residual
+        assert "output.weight" in tensors  # its graph has no tied fallback
+    if arch == "mpt":  # ALiBi's bias; 0 (no key) turns it off
+        bias = _field(reader, "mpt.attention.max_alibi_bias") if "mpt.attention.max_alibi_bias" in reader.fields else 0
+        assert bias == (8.0 if config.position_embedding_type == "alibi" else 0)
+        assert ("blk.0.attn_qkv.bias" in tensors) is config.attention_bias
+        assert ("output_norm.bias" in tensors) is config.norm_bias
+    positions = torch.arange(config.max_position_embeddings)[None]
+    if config.position_embedding_type in ("learned", "sinusoidal"):
+        with torch.no_grad():
+            table = model.model._absolute_positions(positions, torch.float32)[0]
+        assert torch.equal(tensors["position_embd.weight"], table)
+    scale = config.embedding_scale
+    assert torch.equal(tensors["token_embd.weight"], model.model.embed_tokens.weight.detach() * scale)
+
+
+@pytest.mark.parametrize(
+    ("base", "knobs", "words"),
+    [
+        (REFACT, {"attention_bias": True}, "`attention_bias`=True (llama.cpp refact needs False"),
+        (GPTNEOX, {"mlp_bias": False}, "`mlp_bias`=False (llama.cpp gptneox needs True"),
+        (GPTNEOX, {"hidden_act": "gelu"}, "`hidden_act`='gelu' (llama.cpp gptneox needs a tanh GELU"),
+        (GPTNEOX, {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "RoPE on every dim"),
+        (MPT, {"position_offset": 2, "position_embedding_type": "learned"}, "`position_offset`=2 (llama.cpp mpt"),
+        (MPT, {"qk_norm": True}, "`qk_norm`=True (llama.cpp mpt needs False"),
+        (MPT_SINUSOIDAL, {"tie_word_embeddings": True}, "1.0 with tied embeddings"),
+    ],
+    ids=["refact-bias", "gptneox-mlp-bias", "gptneox-erf", "gptneox-partial", "mpt-offset", "mpt-qk-norm", "mpt-tied"],
+)
+def test_llama_cpp_only_refusals_with_control(base, knobs, words):
+    expected = gguf_architecture(config_of(**base))  # the control
+    assert expected in ("refact", "gptneox", "mpt")
+    with pytest.raises(ValueError, match=r"No llama\.cpp") as err:
+        gguf_architecture(config_of(**{**base, **knobs}))
+    assert words in str(err.value), str(err.value)
+
+
+def test_llama_cpp_is_needed_for_k_quants_and_its_own_architectures(tmp_path, tokenizer, monkeypatch, capsys):
+    """Without llama.cpp: Q4_K_M (its quantizer) and verifying a refact file (transformers' loader does not read it)
+    are one line naming what to install; the F32 refact file itself is written from Python alone."""
+    monkeypatch.delenv("HF_TFM_LLAMA_CPP_PYTHON", raising=False)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # find_spec raises ValueError on a None entry: hide it
+    monkeypatch.setattr(gguf_export.importlib.util, "find_spec", lambda name: None)
+    assert gguf_export.llama_cpp_python() is None
+    model = trained(LLAMA)
+    with pytest.raises(ImportError, match="pip install llama-cpp-python, or set HF_TFM_LLAMA_CPP_PYTHON"):
+        export(model, tmp_path / "q.gguf", quantize="q4_k_m", tokenizer=tokenizer)
+    assert list(tmp_path.iterdir()) == []
+    path = export(trained(REFACT), tmp_path / "refact.gguf", tokenizer=tokenizer)
+    with pytest.raises(ImportError, match=r"Verifying a GGUF refact file needs llama\.cpp"):
+        verify(path, trained(REFACT), prompts=PROMPTS, max_new_tokens=4)
+    with pytest.raises(ValueError, match="does not read 'refact' files"):
+        gguf_export.verify_gguf(path, trained(REFACT), prompts=PROMPTS, max_new_tokens=4, runtime="transformers")
+    folder = saved(LLAMA, tmp_path / "lm", tokenizer)
+    capsys.readouterr()
+    assert main(["export", str(folder), str(tmp_path / "lm.gguf"), "--quantize", "q4_k_m"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install llama-cpp-python" in err
+
+
 def test_failed_export_leaves_no_file(tmp_path, tokenizer, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
-    folder = saved({"position_embedding_type": "alibi"}, tmp_path / "alibi", tokenizer)
-    with pytest.raises(ValueError, match="position_embedding_type"):
+    folder = saved({"parallel_residual": True}, tmp_path / "parallel", tokenizer)
+    with pytest.raises(ValueError, match="parallel_residual"):
         export(folder, out / "model.gguf")
 
     def broken(self, *args, **kwargs):
@@ -323,9 +419,16 @@ def test_hf_tfm_export_is_the_function(tmp_path, tokenizer):
 def test_info_reports_gguf(tmp_path):
     from hf_tfm.info import describe
 
-    alibi = {"position_embedding_type": "alibi"}
-    for overrides, ok in ((LLAMA, True), (QWEN2, True), (BLOOM, True), (alibi, False)):
+    parallel = {"parallel_residual": True}
+    for overrides, ok in (
+        (LLAMA, True),
+        (QWEN2, True),
+        (BLOOM, True),
+        (MPT, True),
+        (MIXTRAL, True),
+        (parallel, False),
+    ):
         config_of(**overrides).save_pretrained(tmp_path)
         ok_, why = describe(str(tmp_path))["integrations"]["export to runtimes"]["GGUF (llama.cpp)"]
         assert ok_ is ok, why
-        assert ("architecture" in why) if ok else ("position_embedding_type" in why)
+        assert ("architecture" in why) if ok else ("parallel_residual" in why)

@@ -13,9 +13,28 @@ from pathlib import Path
 import pytest
 import torch
 from export_models import NEW_TOKENS, PROMPTS, train_tokenizer, trained
-from test_export_gguf import BLOOM, GPT2, LLAMA, LLAMA_GQA_UNTIED, MIXTRAL, MOE, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
+from test_export_gguf import (
+    BLOOM,
+    GPT2,
+    GPTNEOX,
+    GPTNEOX_SEQUENTIAL,
+    LLAMA,
+    LLAMA_GQA_UNTIED,
+    MIXTRAL,
+    MOE,
+    MPT,
+    MPT_LEARNED,
+    MPT_SINUSOIDAL,
+    QWEN2,
+    QWEN2_MOE,
+    QWEN3,
+    QWEN3_MOE,
+    REFACT,
+    gguf,
+)
 
 from hf_tfm.exporters import export
+from hf_tfm.exporters.gguf import verify_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = ROOT / ".venv-llama-cpp" / "bin" / "python"
@@ -25,11 +44,10 @@ pytestmark = [
 ]
 
 # Largest |logit difference| allowed for f32 files, logits up to ~14. SwiGLU architectures differ from PyTorch only
-# in summation order (measured 2.9e-6 to 5.3e-6, qwen3's qk-norm included); ggml's GELU rounds its input to fp16 and
-# reads a table of the tanh form (gpt2: measured 1.4e-4; bloom, whose MLP is twice as wide: 1.4e-3). llama-cpp-python
-# 0.3.36, transformers 5.24 and 5.16.1.
-F32_ATOL = {"llama": 1e-4, "llama-gqa-untied": 1e-4, "qwen2": 1e-4, "qwen3": 1e-4, "gpt2": 2e-3, "bloom": 5e-3}
-F32_ATOL |= dict.fromkeys(("mixtral", "mixtral-tied", "qwen2moe", "qwen3moe"), 1e-4)
+# in summation order (measured 2.9e-6 to 5.7e-6: qwen3's qk-norm, the experts and refact's ALiBi included); ggml's GELU
+# rounds its input to fp16 and reads a table of the tanh form (measured 1.4e-4 to 3.1e-3 on the LayerNorm + GELU
+# blocks: gpt2, bloom, gptneox, mpt). llama-cpp-python 0.3.36, transformers 5.25 and 5.16.1.
+GELU_BLOCKS = ("gpt2", "bloom", "gptneox", "gptneox-sequential", "mpt", "mpt-learned", "mpt-sinusoidal")
 CASES = {
     "llama": LLAMA,
     "llama-gqa-untied": LLAMA_GQA_UNTIED,
@@ -41,7 +59,20 @@ CASES = {
     "mixtral-tied": MOE,
     "qwen2moe": QWEN2_MOE,
     "qwen3moe": QWEN3_MOE,
+    # transformers' GGUF loader reads none of these: llama.cpp is their only check
+    "refact": REFACT,  # the default block with ALiBi
+    "gptneox": GPTNEOX,  # parallel residual
+    "gptneox-sequential": GPTNEOX_SEQUENTIAL,
+    "mpt": MPT,  # ALiBi, no biases, GQA
+    "mpt-learned": MPT_LEARNED,  # a learned position table, LayerNorm without biases
+    "mpt-sinusoidal": MPT_SINUSOIDAL,  # hf_tfm's sinusoidal table written out; the paper's embedding scale folded in
 }
+
+
+@pytest.fixture
+def llama_cpp(monkeypatch):
+    """hf_tfm's llama.cpp calls (verification, K-quants) run in .venv-llama-cpp's Python."""
+    monkeypatch.setenv("HF_TFM_LLAMA_CPP_PYTHON", str(PYTHON))
 
 
 @pytest.fixture(scope="module")
@@ -68,15 +99,44 @@ def reference(model, prompt: list[int], new_tokens: int) -> tuple[torch.Tensor, 
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_f32_export_runs_in_llama_cpp_as_in_pytorch(case, tmp_path, tokenizer):
+def test_f32_export_runs_in_llama_cpp_as_in_pytorch(case, tmp_path, tokenizer, llama_cpp):
+    """`hf_tfm.exporters.verify` in llama.cpp: the logits of every position of hf_tfm's greedy sequences, and
+    llama.cpp's own greedy tokens (32 per prompt), for each architecture hf_tfm writes."""
     model = trained(CASES[case])
+    path = export(model, tmp_path / "model.gguf", tokenizer=tokenizer)
+    report = verify_gguf(path, model, prompts=PROMPTS, max_new_tokens=NEW_TOKENS, runtime="llama.cpp")
+    print(f"{case}: {report}")
+    assert report["runtime"] == "llama.cpp" and report["file_type"] == "ALL_F32"
+    assert report["max_logit_diff"] < (5e-3 if case in GELU_BLOCKS else 1e-4)
+    assert report["tokens_equal"]
+
+
+def test_prefill_logits_in_llama_cpp(tmp_path, tokenizer):
+    """The prompt's logits from one prefill call (llama.cpp's batched path, which `verify` uses too) equal hf_tfm's,
+    through a driver of llama.cpp's own generator (its greedy sampler)."""
+    model = trained(LLAMA_GQA_UNTIED)
     path = export(model, tmp_path / "model.gguf", tokenizer=tokenizer)
     for prompt, ours in zip(PROMPTS, run_llama_cpp(path, PROMPTS, NEW_TOKENS)["results"], strict=True):
         logits, tokens = reference(model, prompt, NEW_TOKENS)
-        diff = (torch.tensor(ours["logits"]) - logits).abs().max().item()
-        print(f"{case}: prompt of {len(prompt)}, max logit difference {diff:.2e}")
-        assert diff < F32_ATOL[case]
+        assert (torch.tensor(ours["logits"]) - logits).abs().max().item() < 1e-4
         assert ours["tokens"] == tokens
+
+
+def test_q4_k_m_through_llama_cpps_quantizer(tmp_path, tokenizer, llama_cpp):
+    """Q4_K_M: written in F32, rewritten by llama.cpp's quantizer (Q4_K, Q6_K for some v/down rows; rows that do not
+    split into 256-value super-blocks fall back, as llama-quantize does). Checked in llama.cpp and through
+    transformers' loader (which dequantizes K-quants). Measured on a 256-wide model: greedy tokens equal in both."""
+    model = trained({"hidden_size": 256, "intermediate_size": 512, "num_key_value_heads": 2})
+    path = export(model, tmp_path, quantize="q4_k_m", tokenizer=tokenizer)
+    assert path.name == "model-q4_k_m.gguf" and [p.name for p in tmp_path.iterdir()] == [path.name]
+    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert kinds["blk.0.attn_q.weight"] == "Q4_K" and "Q6_K" in kinds.values()
+    assert kinds["blk.0.attn_norm.weight"] == "F32"
+    for runtime in ("llama.cpp", "transformers"):
+        report = verify_gguf(path, model, prompts=PROMPTS, max_new_tokens=NEW_TOKENS, runtime=runtime)
+        print(f"q4_k_m in {runtime}: {report}")
+        assert report["file_type"] == "MOSTLY_Q4_K_M"
+        assert report["forced_agreement"] >= 0.9 and report["max_logit_diff"] < 4.0
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
@@ -122,3 +182,17 @@ def test_bench_times_llama_cpp_in_its_own_environment(tmp_path):
         for batch in bench.SHAPES["tiny"]["decode_batches"]:
             assert r[f"b{batch}_step_s"] > 0 and r[f"b{batch}_speedup_vs_hf_tfm_fp32"] > 0, name
     assert rows["llama.cpp q8_0"]["weight_bytes_per_step"] < rows["llama.cpp f32"]["weight_bytes_per_step"]
+
+
+def test_cli_verifies_in_llama_cpp_what_transformers_cannot_read(tmp_path, tokenizer, llama_cpp, capsys):
+    """`hf-tfm export --verify` on a refact file: transformers' loader does not read it, so llama.cpp runs it."""
+    from export_models import saved
+
+    from hf_tfm.cli import main
+
+    folder = saved(REFACT, tmp_path / "lm", tokenizer)
+    capsys.readouterr()
+    assert main(["export", str(folder), str(tmp_path / "lm.gguf"), "--verify", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "verified with llama.cpp (llama-cpp-python" in out and "(refact)" in out, out
+    assert "greedy tokens equal: yes" in out

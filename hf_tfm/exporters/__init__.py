@@ -51,10 +51,11 @@ def export(
 ) -> Path:
     """Write an hf_tfm model (a model or its saved folder) in a runtime's format; returns the path written.
 
-    gguf: one file for llama.cpp (an existing `out` folder gets `model-<type>.gguf`), 2-D weights in `quantize` (f32
-    when None; f16, bf16, q8_0, q4_0), the tokenizer embedded. onnx, ctranslate2 and executorch: a folder `out` with
-    the model and the tokenizer's files. The tokenizer is the folder's, or `tokenizer` (a fast tokenizer, its folder
-    or its tokenizer.json). Each is written beside `out` and renamed at the end, so a failed export leaves nothing.
+    gguf: one file for llama.cpp (an existing `out` folder gets `model-<type>.gguf`), weights in `quantize` (f32
+    when None; f16, bf16, q8_0, q4_0; q4_k_m through llama.cpp's quantizer), the tokenizer embedded. onnx,
+    ctranslate2 and executorch: a folder `out` with the model and the tokenizer's files. The tokenizer is the
+    folder's, or `tokenizer` (a fast tokenizer, its folder or its tokenizer.json). Each is written beside `out` and
+    renamed at the end, so a failed export leaves nothing.
     The runtime's writer is an optional dependency: `pip install "hf-tfm[export]"` (`"hf-tfm[executorch]"`).
     """
     return getattr(_module(format), f"export_{format}")(model_or_folder, out, quantize=quantize, tokenizer=tokenizer)

@@ -128,13 +128,15 @@ def run_side(
     runtime: str,
     blocked: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    python: str | None = None,
 ) -> Any:
     """`run(args)` of the program `source`: the runtime's side of a verification.
 
     In a fresh interpreter by default, where each module in `blocked` cannot be imported (what runs is what a
     deployment without it runs) and no OpenMP runtime but the runtime's own is loaded (two in one process slow each
     other down); `args` go in as JSON on stdin, the result comes back pickled (lists, or tensors where the side has
-    torch). `fresh_process=False` runs it here. A failing side raises `RuntimeError` naming `runtime` and its error.
+    torch). `python` is that interpreter (default: this one's). `fresh_process=False` runs it here. A failing side
+    raises `RuntimeError` naming `runtime` and its error.
     """
     if not fresh_process:
         namespace: dict = {}
@@ -149,7 +151,7 @@ def run_side(
             "    _pickle.dump(run(_json.loads(sys.stdin.read())), _file)\n"
         )
         done = subprocess.run(
-            [sys.executable, "-c", code],
+            [python or sys.executable, "-c", code],
             input=json.dumps(args),
             capture_output=True,
             text=True,

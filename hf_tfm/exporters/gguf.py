@@ -16,6 +16,11 @@ keeps each architecture from it:
   gpt2 block without position tables: LayerNorm, tanh-GELU MLP of 4 * hidden, biases everywhere, no GQA. Its graph
   adds `slope * j` where hf_tfm adds `-slope * |i - j|`: per query row they differ by a constant, which the causal
   softmax removes.
+* `refact`: the llama block (RMSNorm, SwiGLU, no biases, GQA) with ALiBi instead of RoPE.
+* `gptneox`: RoPE, LayerNorm, tanh-GELU MLP, biases everywhere, the attention and the feed-forward one after the other
+  or in parallel (`parallel_residual`: x + attn(n1(x)) + mlp(n2(x))).
+* `mpt`: LayerNorm, tanh-GELU MLP, any biases, GQA, with ALiBi or an absolute position table (learned, or hf_tfm's
+  sinusoidal table written out row by row).
 * `qwen2moe`: Qwen2-MoE's block: the qwen2 attention (q/k/v biases), every layer's feed-forward routed experts
   (softmax over the experts, top-k probabilities not renormalised: `norm_topk_prob=False`) plus the sigmoid-gated
   shared expert.
@@ -23,12 +28,16 @@ keeps each architecture from it:
   experts with the top-k probabilities renormalised (`norm_topk_prob=True`), no shared expert.
 
 The folder's byte-level BPE tokenizer goes in as llama.cpp's "gpt2" vocabulary with the GPT-2 pre-tokenizer (hf_tfm
-trains with GPT-2's regex), so llama.cpp tokenizes as hf_tfm does. `verify_gguf` loads a written file back through
-transformers' own GGUF loader (an in-tree Llama / Qwen2 / Qwen3 / GPT-2) and compares logits and greedy tokens.
+trains with GPT-2's regex), so llama.cpp tokenizes as hf_tfm does. K-quants (`q4_k_m`) are llama.cpp's own: the file is
+written in F32, then llama.cpp's quantizer rewrites it. `verify_gguf` runs a written file in llama.cpp itself
+(llama-cpp-python, in a process of its own) or loads it back through transformers' own GGUF loader (an in-tree Llama,
+Qwen2, Qwen3, GPT-2, BLOOM, Qwen2-MoE, Qwen3-MoE or Mixtral), and compares logits and greedy tokens.
 """
 
+import importlib.util
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -37,10 +46,14 @@ import torch
 
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
 from ..convert.core import export_blockers, need
-from ._common import agreement_report, greedy_references, prompt_ids, run_side
+from ._common import agreement_report, eos_ids, greedy_references, prompt_ids, run_side
 
 RUNTIME = "llama.cpp"
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "bloom", "qwen2moe", "qwen3moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "bloom", "qwen2moe", "qwen3moe", "refact", "gptneox", "mpt")
+# The architectures transformers' GGUF loader reads back (llama with experts through an in-tree Mixtral built here):
+# `verify_gguf` checks the others in llama.cpp only.
+TRANSFORMERS_READS = ("llama", "qwen2", "qwen3", "gpt2", "bloom", "qwen2moe", "qwen3moe")
+LAYERNORM = ("gpt2", "bloom", "gptneox", "mpt")  # LayerNorm + tanh-GELU MLP blocks, one fused q/k/v projection
 MOE = ("qwen2moe", "qwen3moe")  # experts on every layer (llama takes them too: Mixtral's block)
 # --quantize value -> (GGMLQuantizationType name for 2-D weights, LlamaFileType name for general.file_type)
 TYPES = {
@@ -49,12 +62,18 @@ TYPES = {
     "bf16": ("BF16", "MOSTLY_BF16"),
     "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
     "q4_0": ("Q4_0", "MOSTLY_Q4_0"),
+    "q4_k_m": ("Q4_K", "MOSTLY_Q4_K_M"),  # llama.cpp's quantizer: Q4_K, with Q6_K for half the v/down projections
 }
+# Types only llama.cpp's quantizer writes (the gguf package has no K-quant encoder) -> its llama_ftype constant
+LLAMA_CPP_QUANTIZED = {"q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+LLAMA_CPP_HINT = (
+    "needs llama.cpp: pip install llama-cpp-python, or set HF_TFM_LLAMA_CPP_PYTHON to a Python that has it"
+)
 QUANT_BLOCK = 32  # Q8_0 / Q4_0 quantize runs of 32 values along the last dimension
 # RoPE scaling types the llama.cpp graph computes as transformers does: linear is its `freq_scale`, llama3 its
 # `rope_freqs` factors. dynamic (recomputed per length) and longrope have no llama/qwen form; yarn is not checked.
 ROPE_TYPES = {"llama": ("default", "linear", "llama3")}
-ROPE_TYPES |= dict.fromkeys(("qwen2", "qwen3", "qwen2moe", "qwen3moe"), ("default", "linear"))
+ROPE_TYPES |= dict.fromkeys(("qwen2", "qwen3", "qwen2moe", "qwen3moe", "gptneox"), ("default", "linear"))
 # Weights kept in F32 whatever the type, as llama.cpp's converter and quantizer keep them: the routers (rounded, a
 # router sends tokens to other experts) and the position table.
 F32_WEIGHTS = ("ffn_gate_inp.weight", "position_embd.weight")
@@ -90,7 +109,8 @@ def _common_blockers(config: TfmConfig, arch: str, out: list[str]) -> None:
         need(config, out, family, "embedding_norm", True, "True (its LayerNorm after the embeddings)")
     else:
         need(config, out, family, "embedding_norm", False)
-    need(config, out, family, "parallel_residual", False)
+    if arch != "gptneox":  # gptneox computes either layout
+        need(config, out, family, "parallel_residual", False)
     if arch in ("qwen3", "qwen3moe"):
         need(config, out, family, "qk_norm", True, "True (its q/k norms are always there)")
         if config.qk_norm:
@@ -98,7 +118,9 @@ def _common_blockers(config: TfmConfig, arch: str, out: list[str]) -> None:
     else:
         need(config, out, family, "qk_norm", False)
     need(config, out, family, "type_vocab_size", 0)
-    need(config, out, family, "embedding_scale", 1.0, "1.0 (it scales no embeddings)")
+    # An untied model's scale is folded into its token table; a tied one's would scale the output layer too
+    scaled = "1.0 with tied embeddings (the scale is folded into an untied model's token table)"
+    need(config, out, family, "embedding_scale", lambda v: v == 1.0 or not config.tie_word_embeddings, scaled)
     need(config, out, family, "lm_head_bias", False)
     sliding = "only 'full_attention' (its graph has no sliding window)"
     need(config, out, family, "layer_types", lambda v: set(v) == {"full_attention"}, sliding)
@@ -140,13 +162,16 @@ def _llama_blockers(config: TfmConfig, arch: str) -> list[str]:
     out: list[str] = []
     family = f"{RUNTIME} {arch}"
     _common_blockers(config, arch, out)
-    _rope_blockers(config, arch, out)
+    if arch == "refact":  # llama.cpp's fixed max_alibi_bias 8: the paper's slopes, as hf_tfm's
+        need(config, out, family, "position_embedding_type", "alibi")
+    else:
+        _rope_blockers(config, arch, out)
     need(config, out, family, "norm_type", "rmsnorm")
     need(config, out, family, "ffn_type", "glu")
     need(config, out, family, "hidden_act", "silu")
     need(config, out, family, "mlp_bias", False)
     need(config, out, family, "attention_out_bias", False)
-    if arch in ("llama", "qwen3", "qwen3moe"):
+    if arch in ("llama", "qwen3", "qwen3moe", "refact"):
         need(config, out, family, "attention_bias", False)
     else:
         need(config, out, family, "attention_bias", True, "True (q/k/v biases)")
@@ -155,25 +180,33 @@ def _llama_blockers(config: TfmConfig, arch: str) -> list[str]:
 
 
 def _layernorm_blockers(config: TfmConfig, arch: str) -> list[str]:
-    """gpt2 (learned positions) and bloom (ALiBi, a norm after the embeddings): the same LayerNorm + GELU block."""
+    """The LayerNorm + tanh-GELU blocks: gpt2 (learned positions), bloom (ALiBi, a norm after the embeddings),
+    gptneox (RoPE, either residual layout) and mpt (ALiBi or a position table, any biases)."""
     out: list[str] = []
     family = f"{RUNTIME} {arch}"
     _common_blockers(config, arch, out)
     if arch == "gpt2":
         need(config, out, family, "position_embedding_type", "learned")
-        need(config, out, family, "position_offset", 0)
-    else:  # transformers' BLOOM, the loader that checks the file, builds a 4 * hidden MLP whatever the file says
+    elif arch == "bloom":  # transformers' BLOOM, the loader that checks the file, builds a 4 * hidden MLP
         need(config, out, family, "position_embedding_type", "alibi")
         width = 4 * config.hidden_size
         need(config, out, family, "intermediate_size", width, f"{width} (4 * hidden_size, BLOOM's MLP)")
+    elif arch == "gptneox":
+        _rope_blockers(config, arch, out)
+    else:
+        kinds = ("alibi", "learned", "sinusoidal")
+        need(config, out, family, "position_embedding_type", lambda v: v in kinds, f"one of {list(kinds)}")
+    if config.position_embedding_type == "learned":
+        need(config, out, family, "position_offset", 0)
     need(config, out, family, "norm_type", "layernorm")
-    need(config, out, family, "norm_bias", True)
     need(config, out, family, "ffn_type", "mlp")
     need(config, out, family, "hidden_act", lambda v: v in GELU_TANH, f"a tanh GELU, one of {list(GELU_TANH)}")
-    need(config, out, family, "mlp_bias", True)
-    need(config, out, family, "attention_bias", True)
-    need(config, out, family, "attention_out_bias", True)
-    need(config, out, family, "num_key_value_heads", config.num_attention_heads, "`num_attention_heads` (no GQA)")
+    if arch != "mpt":  # mpt's biases are each optional; the others' are all there
+        for knob in ("norm_bias", "mlp_bias", "attention_bias", "attention_out_bias"):
+            need(config, out, family, knob, True)
+    if arch in ("gpt2", "bloom"):
+        heads = "`num_attention_heads` (no GQA)"
+        need(config, out, family, "num_key_value_heads", config.num_attention_heads, heads)
     need(config, out, family, "head_dim", config.hidden_size // config.num_attention_heads, "hidden/heads")
     return out
 
@@ -191,6 +224,9 @@ def gguf_architecture_blockers(config: TfmConfig | TfmSeq2SeqConfig) -> dict[str
         "bloom": _layernorm_blockers(config, "bloom"),
         "qwen2moe": _llama_blockers(config, "qwen2moe"),
         "qwen3moe": _llama_blockers(config, "qwen3moe"),
+        "refact": _llama_blockers(config, "refact"),
+        "gptneox": _layernorm_blockers(config, "gptneox"),
+        "mpt": _layernorm_blockers(config, "mpt"),
     }
 
 
@@ -262,34 +298,39 @@ def _tensors(model: torch.nn.Module, arch: str) -> dict[str, torch.Tensor]:
     """GGUF tensor name -> tensor in PyTorch's (out, in) layout (the writer reverses the dims)."""
     config: TfmConfig = model.config
     state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-    out = {"token_embd.weight": state["model.embed_tokens.weight"], "output_norm.weight": state["model.norm.weight"]}
-    layernorm = arch in ("gpt2", "bloom")  # LayerNorm + GELU blocks: biases everywhere, one fused q/k/v
-    if layernorm:
-        out["output_norm.bias"] = state["model.norm.bias"]
-    if arch == "gpt2":
+    embed = state["model.embed_tokens.weight"]
+    if config.embedding_scale != 1.0:  # untied (the blockers say): hf_tfm's `embeddings * scale`, precomputed
+        embed = embed * config.embedding_scale
+    out = {"token_embd.weight": embed, "output_norm.weight": state["model.norm.weight"]}
+    layernorm = arch in LAYERNORM  # one fused q/k/v projection; a bias where the model has one
+    if config.position_embedding_type == "learned":
         out["position_embd.weight"] = state["model.embed_positions.weight"]
+    elif config.position_embedding_type == "sinusoidal":  # the table hf_tfm computes, one row per position
+        positions = torch.arange(config.max_position_embeddings)[None]
+        out["position_embd.weight"] = model.model.embed_positions(positions, torch.float32)[0].float()
     if arch == "bloom":
         out["token_embd_norm.weight"] = state["model.embed_norm.weight"]
         out["token_embd_norm.bias"] = state["model.embed_norm.bias"]
-    # Tied: llama.cpp and transformers' loader fall back to token_embd, except qwen2moe's, which needs output.weight
-    if not config.tie_word_embeddings or arch == "qwen2moe":
+    # Tied: llama.cpp and transformers' loader fall back to token_embd, except in qwen2moe and gptneox, whose graphs
+    # need output.weight
+    if not config.tie_word_embeddings or arch in ("qwen2moe", "gptneox"):
         out["output.weight"] = state["lm_head.weight"]
     if arch == "llama" and config.rope_parameters["rope_type"] == "llama3":
         out["rope_freqs.weight"] = _llama3_rope_factors(config, model.model.rotary_emb.inv_freq)
+    biases = [("model.norm", "output_norm")]
     for i in range(config.num_hidden_layers):
         layer, blk = f"model.layers.{i}.", f"blk.{i}."
         q, k = state[layer + "self_attn.q_proj.weight"], state[layer + "self_attn.k_proj.weight"]
         v = state[layer + "self_attn.v_proj.weight"]
         if arch == "llama":
             q, k = _permute(q, config.num_attention_heads), _permute(k, config.num_key_value_heads)
-        if layernorm:  # one fused q/k/v projection, all queries first (llama.cpp's BLOOM converter reorders to this)
+        if layernorm:  # one fused q/k/v projection, all queries first (llama.cpp's converters reorder to this)
             out[blk + "attn_qkv.weight"] = torch.cat([q, k, v])
-            out[blk + "attn_qkv.bias"] = torch.cat([state[f"{layer}self_attn.{n}_proj.bias"] for n in "qkv"])
+            if config.attention_bias:
+                out[blk + "attn_qkv.bias"] = torch.cat([state[f"{layer}self_attn.{n}_proj.bias"] for n in "qkv"])
         else:
             out.update({blk + "attn_q.weight": q, blk + "attn_k.weight": k, blk + "attn_v.weight": v})
-        if arch in ("qwen2", "qwen2moe"):
-            for name in "qkv":
-                out[f"{blk}attn_{name}.bias"] = state[f"{layer}self_attn.{name}_proj.bias"]
+            biases += [(f"{layer}self_attn.{name}_proj", f"{blk}attn_{name}") for name in "qkv"]
         if arch in ("qwen3", "qwen3moe"):  # (head_dim,) RMSNorm weights, shared by the heads
             out[blk + "attn_q_norm.weight"] = state[layer + "self_attn.q_norm.weight"]
             out[blk + "attn_k_norm.weight"] = state[layer + "self_attn.k_norm.weight"]
@@ -303,15 +344,15 @@ def _tensors(model: torch.nn.Module, arch: str) -> dict[str, torch.Tensor]:
                 out[blk + "ffn_gate.weight"] = state[layer + "mlp.gate_proj.weight"]
             out[blk + "ffn_up.weight"] = state[layer + "mlp.up_proj.weight"]
             out[blk + "ffn_down.weight"] = state[layer + "mlp.down_proj.weight"]
-        if layernorm:
-            for ours, theirs in (
-                ("self_attn.o_proj", "attn_output"),
-                ("attn_norm", "attn_norm"),
-                ("mlp_norm", "ffn_norm"),
-                ("mlp.up_proj", "ffn_up"),
-                ("mlp.down_proj", "ffn_down"),
-            ):
-                out[f"{blk}{theirs}.bias"] = state[f"{layer}{ours}.bias"]
+        biases += [
+            (layer + "self_attn.o_proj", blk + "attn_output"),
+            (layer + "attn_norm", blk + "attn_norm"),
+            (layer + "mlp_norm", blk + "ffn_norm"),
+            (layer + "mlp.up_proj", blk + "ffn_up"),
+            (layer + "mlp.down_proj", blk + "ffn_down"),
+        ]
+    # Every bias the model has (each architecture's blockers keep out those its graph would ignore)
+    out.update({f"{theirs}.bias": state[f"{ours}.bias"] for ours, theirs in biases if f"{ours}.bias" in state})
     return out
 
 
@@ -458,18 +499,24 @@ def _write(writer, gguf, config: TfmConfig, arch: str, tensors: dict, tok: dict,
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_vocab_size(config.vocab_size)
-    if arch in ("gpt2", "bloom"):
+    if arch in LAYERNORM:
         writer.add_layer_norm_eps(config.norm_eps)
     else:
-        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_layer_norm_rms_eps(config.norm_eps)
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
+    if arch not in ("gpt2", "bloom"):
+        writer.add_head_count_kv(config.num_key_value_heads)
+    if config.position_embedding_type == "rope":
         writer.add_rope_dimension_count(config.head_dim)
         writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-        writer.add_layer_norm_rms_eps(config.norm_eps)
         if config.rope_parameters["rope_type"] == "linear":
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(config.rope_parameters["factor"])
+    if arch == "gptneox":
+        writer.add_parallel_residual(config.parallel_residual)
+    if arch == "mpt" and config.position_embedding_type == "alibi":  # 0 (the default) is no ALiBi
+        writer.add_max_alibi_bias(8.0)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")  # llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT2: GPT-2's regex, as hf_tfm trains
     writer.add_token_list(tok["tokens"])
@@ -506,6 +553,9 @@ def export_gguf(
     if qtype not in TYPES:
         raise ValueError(f"quantize={quantize!r}: GGUF types written here are {list(TYPES)}.")
     gguf = _import_gguf()
+    python = llama_cpp_python() if qtype in LLAMA_CPP_QUANTIZED else None
+    if qtype in LLAMA_CPP_QUANTIZED and python is None:
+        raise ImportError(f"GGUF {qtype} is written by llama.cpp's quantizer: it {LLAMA_CPP_HINT}.")
     model, source = _load(model_or_folder)
     config = model.config
     arch = gguf_architecture(config)
@@ -516,21 +566,57 @@ def export_gguf(
     with torch.no_grad():
         tensors = _tensors(model, arch)
     # Written beside the output and renamed at the end: a failed export leaves no file, an old one stays whole.
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    writer = gguf.GGUFWriter(tmp, arch)
+    tmp, f32 = (_sibling(out, suffix) for suffix in (".tmp", ".f32.tmp"))
+    writer = gguf.GGUFWriter(f32 if python else tmp, arch)
     try:
-        _write(writer, gguf, config, arch, tensors, tok, qtype, name)
+        _write(writer, gguf, config, arch, tensors, tok, "f32" if python else qtype, name)
+        if python:  # llama.cpp's quantizer rewrites the F32 file, in a process of its own
+            args = {"path": str(f32), "out": str(tmp), "ftype": LLAMA_CPP_QUANTIZED[qtype]}
+            run_side(_LLAMA_CPP_QUANTIZE, {**args, "threads": torch.get_num_threads()}, True, RUNTIME, python=python)
         os.replace(tmp, out)
     except BaseException:
         writer.close()
         Path(tmp).unlink(missing_ok=True)
         raise
+    finally:
+        Path(f32).unlink(missing_ok=True)
     return out
 
 
+def _sibling(out: Path, suffix: str) -> Path:
+    """A new empty file beside `out`, hidden, for a write that is renamed to `out` once complete."""
+    fd, path = tempfile.mkstemp(prefix=f".{out.name}.", suffix=suffix, dir=out.parent)
+    os.close(fd)
+    return Path(path)
+
+
+def llama_cpp_python() -> str | None:
+    """The Python that runs llama.cpp (llama-cpp-python) for K-quants and verification: $HF_TFM_LLAMA_CPP_PYTHON, else
+    this one when it can import llama_cpp; None without either."""
+    if os.environ.get("HF_TFM_LLAMA_CPP_PYTHON"):
+        return os.environ["HF_TFM_LLAMA_CPP_PYTHON"]
+    return sys.executable if importlib.util.find_spec("llama_cpp") is not None else None
+
+
+# llama.cpp's quantizer (K-quants: a type per tensor, as `llama-quantize` chooses), in a process without torch
+_LLAMA_CPP_QUANTIZE = r"""
+import ctypes
+
+import llama_cpp
+
+
+def run(args):
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, args["ftype"])
+    params.nthread = args["threads"]
+    status = llama_cpp.llama_model_quantize(args["path"].encode(), args["out"].encode(), ctypes.byref(params))
+    if status != 0:
+        raise RuntimeError(f"llama_model_quantize returned {status}")
+"""
+
+
 # ---------------------------------------------------------------------------------------------------------------------
-# Verification through transformers' GGUF loader
+# Verification: in llama.cpp, or through transformers' GGUF loader
 
 # Runs on the GGUF side, in a fresh interpreter that imports no hf_tfm (or in-process, for tests): the in-tree model
 # transformers builds from the file alone, its greedy tokens, and its logits on the reference sequences. llama files
@@ -612,20 +698,54 @@ def run(args):
 """
 
 
+# Runs in llama.cpp (llama-cpp-python), always in a process of its own and without torch (llama.cpp loaded next to
+# torch segfaulted on this kind of machine), with an f32 KV cache (its default is f16): the logits of every position of
+# each reference sequence, and greedy decoding, the argmax of each step's logits with EOS suppressed as hf_tfm's.
+_LLAMA_CPP_SIDE = r"""
+import llama_cpp
+import numpy as np
+
+
+def run(args):
+    llm = llama_cpp.Llama(
+        args["path"], n_ctx=max(map(len, args["references"])) + 1, n_threads=args["threads"], logits_all=True,
+        type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, flash_attn=False, verbose=False,
+    )
+    result = {"class": f"llama.cpp (llama-cpp-python {llama_cpp.__version__})", "tokens": [], "logits": []}
+    for prompt, reference in zip(args["prompts"], args["references"]):
+        llm.reset()
+        llm.eval(reference)
+        result["logits"].append(np.array(llm.scores[: llm.n_tokens]))
+        llm.reset()
+        llm.eval(prompt)
+        tokens = []
+        while len(tokens) < args["max_new_tokens"]:
+            row = np.array(llm.scores[llm.n_tokens - 1])
+            row[args["suppress"]] = -np.inf
+            tokens.append(int(row.argmax()))
+            llm.eval(tokens[-1:])
+        result["tokens"].append(tokens)
+    return result
+"""
+
+
 def verify_gguf(
     gguf_file: str | os.PathLike,
     model_or_folder: Any,
     prompts: list[list[int]] | list[str] | None = None,
     max_new_tokens: int = 32,
     fresh_process: bool = True,
+    runtime: str | None = None,
 ) -> dict[str, Any]:
-    """Load `gguf_file` through transformers' own GGUF loader (in a fresh process unless `fresh_process=False`) and
-    compare it with the hf_tfm model it came from: greedy tokens (`max_new_tokens` per prompt, EOS suppressed on both
-    sides) and the logits on hf_tfm's greedy sequences.
+    """Run `gguf_file` and compare it with the hf_tfm model it came from: greedy tokens (`max_new_tokens` per prompt,
+    EOS suppressed on both sides) and the logits on hf_tfm's greedy sequences.
 
-    `prompts` are token ids, or texts for the folder's tokenizer; None: two texts of different lengths. Returns
-    `tokens_equal`, `agreement` (the share of generated positions with equal tokens), `max_logit_diff`, the in-tree
-    `class` and the file's `architecture` and `file_type`.
+    `runtime`: "llama.cpp" (llama-cpp-python, always in a process of its own: `llama_cpp_python()` says which Python)
+    or "transformers" (transformers' own GGUF loader, in a fresh process unless `fresh_process=False`); None: the
+    loader where it reads the architecture (`TRANSFORMERS_READS`), else llama.cpp. `prompts` are token ids, or texts
+    for the folder's tokenizer; None: two texts of different lengths. Returns `tokens_equal`, `agreement` (the share of
+    generated positions with equal tokens), `forced_agreement`, `max_logit_diff`, the `runtime`, the `class` that ran
+    it (in-tree class or llama.cpp's version) and the file's `architecture` and `file_type`.
     """
     gguf = _import_gguf()
     gguf_file = Path(gguf_file).resolve()
@@ -635,7 +755,14 @@ def verify_gguf(
     reader = gguf.GGUFReader(gguf_file)
     arch = _arch_of(reader)
     file_type = int(reader.fields["general.file_type"].parts[-1][0])
-    overrides = _loader_overrides(reader, config, model)
+    runtime = runtime or ("transformers" if arch in TRANSFORMERS_READS else "llama.cpp")
+    if runtime not in ("llama.cpp", "transformers"):
+        raise ValueError(f"runtime={runtime!r}: GGUF files are verified in 'llama.cpp' or 'transformers'.")
+    if runtime == "transformers" and arch not in TRANSFORMERS_READS:
+        raise ValueError(f"transformers' GGUF loader does not read {arch!r} files: verify them in llama.cpp.")
+    python = llama_cpp_python() if runtime == "llama.cpp" else None
+    if runtime == "llama.cpp" and python is None:
+        raise ImportError(f"Verifying a GGUF {arch} file {LLAMA_CPP_HINT}.")
     references = greedy_references(model, prompts, max_new_tokens)
     with torch.no_grad():
         ours = [model(torch.tensor([ref])).logits[0].float() for ref in references]
@@ -644,16 +771,22 @@ def verify_gguf(
         "prompts": [list(map(int, p)) for p in prompts],
         "references": references,
         "max_new_tokens": max_new_tokens,
-        "pad_token_id": config.pad_token_id,
-        "overrides": overrides,
-        "mixtral": arch == "llama" and _number(reader, "llama.expert_count") is not None,
     }
-    # a local file: no Hub
-    env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
-    theirs = run_side(_GGUF_SIDE, args, fresh_process, "transformers' GGUF loader", env=env)
+    if runtime == "llama.cpp":
+        args |= {"suppress": eos_ids(config), "threads": torch.get_num_threads()}
+        theirs = run_side(_LLAMA_CPP_SIDE, args, True, RUNTIME, python=python)
+    else:
+        args |= {
+            "pad_token_id": config.pad_token_id,
+            "overrides": _loader_overrides(reader, config, model),
+            "mixtral": arch == "llama" and _number(reader, "llama.expert_count") is not None,
+        }
+        env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}  # a local file: no Hub
+        theirs = run_side(_GGUF_SIDE, args, fresh_process, "transformers' GGUF loader", env=env)
     return {
         "architecture": arch,
         "file_type": gguf.LlamaFileType(file_type).name,
+        "runtime": runtime,
         "class": theirs["class"],
         **agreement_report(ours, theirs, references, prompts, False, max_new_tokens),
     }
@@ -720,11 +853,14 @@ def _arch_of(reader) -> str:
 
 __all__ = [
     "ARCHITECTURES",
+    "LLAMA_CPP_QUANTIZED",
+    "TRANSFORMERS_READS",
     "TYPES",
     "export_gguf",
     "gguf_architecture",
     "gguf_architecture_blockers",
     "gguf_blockers",
+    "llama_cpp_python",
     "output_path",
     "verify_gguf",
 ]
