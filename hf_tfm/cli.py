@@ -821,8 +821,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     if "tokens_equal" not in report:  # an encoder: its outputs on a padded batch
         print(f"verified in {RUNTIMES[args.format]}: outputs {', '.join(report['outputs'])} on {report['prompts']}")
         print(f"  largest difference: {report['max_diff']:.3g}")
-        if exact and report["max_diff"] > ENCODER_TOLERANCE:
-            error = f"hf-tfm export: error: the float32 export differs by more than {ENCODER_TOLERANCE}"
+        tolerance = ENCODER_TOLERANCE[args.format == "gguf"]
+        if exact and report["max_diff"] > tolerance:
+            error = f"hf-tfm export: error: the float32 export differs by more than {tolerance}"
             print(error, file=sys.stderr)
             return 1
         return 0
@@ -842,7 +843,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 RUNTIMES = {"gguf": "llama.cpp", "onnx": "ONNX Runtime", "ctranslate2": "CTranslate2", "executorch": "ExecuTorch"}
-ENCODER_TOLERANCE = 1e-4  # float32 encoder outputs: ONNX Runtime differs from PyTorch by ~1e-6 (summation order)
+# float32 encoder outputs: ONNX Runtime and CTranslate2 differ from PyTorch by ~1e-6 (summation order); llama.cpp's
+# GELU rounds its input to fp16 and reads a table of the tanh form (its BERT graph: ~2e-3). Indexed by "is it GGUF".
+ENCODER_TOLERANCE = (1e-4, 1e-2)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

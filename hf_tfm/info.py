@@ -139,9 +139,10 @@ def _install_note(*modules: str) -> str:
 
 def _gguf_export(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> Support:
     from .exporters import gguf_architecture_blockers
+    from .exporters.gguf import TAKES
 
-    if architecture != "TfmForCausalLM":
-        return False, f"GGUF export takes causal LMs (TfmForCausalLM), not {architecture}"
+    if architecture not in ("TfmForCausalLM", "TfmModel"):
+        return False, f"GGUF export takes {TAKES}, not {architecture}"
     found = gguf_architecture_blockers(config)
     arch = next((arch for arch, blockers in found.items() if not blockers), None)
     if arch is not None:

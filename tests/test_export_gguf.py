@@ -43,6 +43,8 @@ GPTNEOX_SEQUENTIAL = {**GPT2_BLOCK, "position_embedding_type": "rope"}
 MPT = {**LAYERNORM_GELU, "position_embedding_type": "alibi", "num_key_value_heads": 2}
 MPT_LEARNED = {**LAYERNORM_GELU, "position_embedding_type": "learned", "norm_bias": False}
 MPT_SINUSOIDAL = {**GPT2_BLOCK, "position_embedding_type": "sinusoidal", "tie_word_embeddings": False}  # paper scale
+# BERT's encoder block with llama.cpp's GELU (tanh): embeddings through llama.cpp's bert graph
+BERT_TANH = {**GPT2_BLOCK, "is_causal": False, "norm_position": "post", "embedding_norm": True}
 LINEAR_ROPE = {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}
 LLAMA3_ROPE = {
     "rope_parameters": {
@@ -370,6 +372,52 @@ def test_llama_cpp_is_needed_for_k_quants_and_its_own_architectures(tmp_path, to
     assert main(["export", str(folder), str(tmp_path / "lm.gguf"), "--quantize", "q4_k_m"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "pip install llama-cpp-python" in err
+
+
+def bert_encoder(overrides: dict):
+    """A BERT-block encoder (TfmModel) whose weights have a trained model's scale (initializer_range's give ~0)."""
+    torch.manual_seed(0)
+    model = hf_tfm.TfmModel(config_of(**{**BERT_TANH, **overrides})).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.2)
+    return model
+
+
+def test_encoder_exports_as_bert_for_embeddings(tmp_path, tokenizer):
+    """A TfmModel with BERT's block (or its folder) becomes llama.cpp's bert: token types, the embedding norm and the
+    post-norm layers under llama.cpp's names, mean pooling by default; its numbers are checked in llama.cpp
+    (tests/test_export_llama_cpp.py), since transformers' GGUF loader reads no BERT."""
+    model = bert_encoder({"type_vocab_size": 2, "add_pooling_layer": True})
+    assert gguf_architecture(model.config) == "bert"
+    model.save_pretrained(tmp_path / "enc")
+    tokenizer.save_pretrained(tmp_path / "enc")
+    reader = gguf.GGUFReader(export(tmp_path / "enc", tmp_path / "enc.gguf"))
+    tensors = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+    assert _field(reader, "general.architecture") == "bert"
+    assert _field(reader, "bert.pooling_type") == gguf.PoolingType.MEAN
+    assert _field(reader, "bert.attention.causal") is False and _field(reader, "tokenizer.ggml.token_type_count") == 2
+    assert torch.equal(tensors["token_types.weight"], model.token_type_embeddings.weight.detach())
+    assert torch.equal(tensors["blk.1.attn_output_norm.weight"], model.layers[1].attn_norm.weight.detach())
+    assert torch.equal(tensors["blk.1.layer_output_norm.bias"], model.layers[1].mlp_norm.bias.detach())
+    assert not any(name.startswith(("output", "pooler")) for name in tensors)  # no head, no pooler: embeddings
+
+
+@pytest.mark.parametrize(
+    ("knobs", "words"),
+    [
+        ({"hidden_act": "gelu"}, "`hidden_act`='gelu' (llama.cpp bert needs a tanh GELU"),
+        ({"norm_position": "pre"}, "`norm_position`='pre' (llama.cpp bert needs 'post')"),
+        ({"embedding_norm": False}, "`embedding_norm`=False (llama.cpp bert needs True"),
+        ({"position_embedding_type": "rope"}, "`position_embedding_type`='rope' (llama.cpp bert needs 'learned')"),
+    ],
+    ids=["erf-gelu", "pre-norm", "no-embedding-norm", "rope"],
+)
+def test_bert_refusals_with_control(knobs, words):
+    assert gguf_architecture(config_of(**BERT_TANH)) == "bert"  # the control
+    with pytest.raises(ValueError, match=r"No llama\.cpp") as err:
+        gguf_architecture(config_of(**{**BERT_TANH, **knobs}))
+    assert words in str(err.value), str(err.value)
 
 
 def test_failed_export_leaves_no_file(tmp_path, tokenizer, monkeypatch):

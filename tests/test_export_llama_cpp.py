@@ -30,6 +30,7 @@ from test_export_gguf import (
     QWEN3,
     QWEN3_MOE,
     REFACT,
+    bert_encoder,
     gguf,
 )
 
@@ -196,3 +197,15 @@ def test_cli_verifies_in_llama_cpp_what_transformers_cannot_read(tmp_path, token
     out = capsys.readouterr().out
     assert "verified with llama.cpp (llama-cpp-python" in out and "(refact)" in out, out
     assert "greedy tokens equal: yes" in out
+
+
+@pytest.mark.parametrize("overrides", [{}, {"type_vocab_size": 2, "add_pooling_layer": True}], ids=["bert", "types"])
+def test_encoder_embeddings_in_llama_cpp(overrides, tmp_path, tokenizer, llama_cpp):
+    """An encoder's GGUF (llama.cpp's bert) gives every token's hidden state as hf_tfm's TfmModel does, within
+    ggml's fp16 GELU table (measured 1.5e-3 and 2.4e-3 on states of LayerNorm scale)."""
+    model = bert_encoder(overrides)
+    path = export(model, tmp_path / "enc.gguf", tokenizer=tokenizer)
+    report = verify_gguf(path, model, prompts=PROMPTS)
+    print(report)
+    assert report["runtime"] == "llama.cpp" and report["outputs"] == ["last_hidden_state"]
+    assert report["max_diff"] < 5e-3

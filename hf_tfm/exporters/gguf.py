@@ -21,6 +21,8 @@ keeps each architecture from it:
   or in parallel (`parallel_residual`: x + attn(n1(x)) + mlp(n2(x))).
 * `mpt`: LayerNorm, tanh-GELU MLP, any biases, GQA, with ALiBi or an absolute position table (learned, or hf_tfm's
   sinusoidal table written out row by row).
+* `bert` (an encoder, `TfmModel`, for embeddings): BERT's block: learned positions (token type 0 added: llama.cpp
+  passes no types), an embedding LayerNorm, post-norm LayerNorm layers, tanh-GELU MLP, no final norm.
 * `qwen2moe`: Qwen2-MoE's block: the qwen2 attention (q/k/v biases), every layer's feed-forward routed experts
   (softmax over the experts, top-k probabilities not renormalised: `norm_topk_prob=False`) plus the sigmoid-gated
   shared expert.
@@ -46,10 +48,22 @@ import torch
 
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
 from ..convert.core import export_blockers, need
-from ._common import agreement_report, eos_ids, greedy_references, prompt_ids, run_side
+from ._common import agreement_report, encoder_max_diff, eos_ids, greedy_references, prompt_ids, run_side
 
 RUNTIME = "llama.cpp"
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gpt2", "bloom", "qwen2moe", "qwen3moe", "refact", "gptneox", "mpt")
+ARCHITECTURES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "gpt2",
+    "bloom",
+    "qwen2moe",
+    "qwen3moe",
+    "refact",
+    "gptneox",
+    "mpt",
+    "bert",
+)
 # The architectures transformers' GGUF loader reads back (llama with experts through an in-tree Mixtral built here):
 # `verify_gguf` checks the others in llama.cpp only.
 TRANSFORMERS_READS = ("llama", "qwen2", "qwen3", "gpt2", "bloom", "qwen2moe", "qwen3moe")
@@ -211,6 +225,31 @@ def _layernorm_blockers(config: TfmConfig, arch: str) -> list[str]:
     return out
 
 
+def _bert_blockers(config: TfmConfig) -> list[str]:
+    """BERT's encoder block, llama.cpp's `bert` graph (embeddings; no KV cache, no task head)."""
+    out: list[str] = []
+    family = f"{RUNTIME} bert"
+    need(config, out, family, "is_causal", False, "False (an encoder)")
+    need(config, out, family, "add_cross_attention", False)
+    need(config, out, family, "num_experts", None, "None (no mixture-of-experts layers)")
+    need(config, out, family, "position_embedding_type", "learned")
+    need(config, out, family, "position_offset", 0)
+    need(config, out, family, "embedding_norm", True, "True (its LayerNorm after the embeddings)")
+    need(config, out, family, "norm_position", "post")
+    need(config, out, family, "final_norm", False, "False (no norm after the last layer)")
+    need(config, out, family, "norm_type", "layernorm")
+    need(config, out, family, "norm_bias", True)
+    need(config, out, family, "parallel_residual", False)
+    need(config, out, family, "qk_norm", False)
+    need(config, out, family, "ffn_type", "mlp")
+    need(config, out, family, "hidden_act", lambda v: v in GELU_TANH, f"a tanh GELU, one of {list(GELU_TANH)}")
+    need(config, out, family, "embedding_scale", 1.0, "1.0 (it scales no embeddings)")
+    need(config, out, family, "head_dim", config.hidden_size // config.num_attention_heads, "hidden/heads")
+    sliding = "only 'full_attention' (its graph has no sliding window)"
+    need(config, out, family, "layer_types", lambda v: set(v) == {"full_attention"}, sliding)
+    return out
+
+
 def gguf_architecture_blockers(config: TfmConfig | TfmSeq2SeqConfig) -> dict[str, list[str]]:
     """For each llama.cpp architecture hf_tfm writes, the knobs that keep `config` from it (empty: it takes it)."""
     if isinstance(config, TfmSeq2SeqConfig):
@@ -227,6 +266,7 @@ def gguf_architecture_blockers(config: TfmConfig | TfmSeq2SeqConfig) -> dict[str
         "refact": _llama_blockers(config, "refact"),
         "gptneox": _layernorm_blockers(config, "gptneox"),
         "mpt": _layernorm_blockers(config, "mpt"),
+        "bert": _bert_blockers(config),
     }
 
 
@@ -294,8 +334,33 @@ def _llama3_rope_factors(config: TfmConfig, inv_freq: torch.Tensor) -> torch.Ten
     return default / inv_freq.float()
 
 
+def _bert_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A post-norm encoder's tensors under llama.cpp's BERT names (a base model: no `model.` prefix)."""
+    state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    names = [("embed_tokens", "token_embd"), ("embed_positions", "position_embd"), ("embed_norm", "token_embd_norm")]
+    names.append(("token_type_embeddings", "token_types"))
+    for i in range(model.config.num_hidden_layers):
+        layer, blk = f"layers.{i}.", f"blk.{i}."
+        names += [(f"{layer}self_attn.{n}_proj", f"{blk}attn_{n}") for n in "qkv"]
+        names += [
+            (layer + "self_attn.o_proj", blk + "attn_output"),
+            (layer + "attn_norm", blk + "attn_output_norm"),  # post-norm: after the attention's residual add
+            (layer + "mlp.up_proj", blk + "ffn_up"),
+            (layer + "mlp.down_proj", blk + "ffn_down"),
+            (layer + "mlp_norm", blk + "layer_output_norm"),  # after the feed-forward's residual add
+        ]
+    return {
+        f"{theirs}.{kind}": state[f"{ours}.{kind}"]
+        for ours, theirs in names
+        for kind in ("weight", "bias")
+        if f"{ours}.{kind}" in state
+    }
+
+
 def _tensors(model: torch.nn.Module, arch: str) -> dict[str, torch.Tensor]:
     """GGUF tensor name -> tensor in PyTorch's (out, in) layout (the writer reverses the dims)."""
+    if arch == "bert":
+        return _bert_tensors(model)
     config: TfmConfig = model.config
     state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     embed = state["model.embed_tokens.weight"]
@@ -465,19 +530,23 @@ def _tokenizer_json(source: Any, tokenizer: Any) -> tuple[str, str]:
 # Export
 
 
-def _load(model_or_folder: Any) -> tuple[torch.nn.Module, str | None]:
-    from ..modeling import TfmForCausalLM
+TAKES = "causal LMs (TfmForCausalLM) and encoders for embeddings (TfmModel)"
 
+
+def _load(model_or_folder: Any) -> tuple[torch.nn.Module, str | None]:
+    from ..modeling import TfmForCausalLM, TfmModel
+
+    classes = {"TfmForCausalLM": TfmForCausalLM, "TfmModel": TfmModel}
     if isinstance(model_or_folder, (str, os.PathLike)):
         folder = Path(model_or_folder)
         config = TfmConfig.from_pretrained(folder)
         architecture = (getattr(config, "architectures", None) or ["TfmForCausalLM"])[0]
-        if architecture != "TfmForCausalLM":
-            raise ValueError(f"{folder}: GGUF export takes causal LMs (TfmForCausalLM), not {architecture}.")
+        if architecture not in classes:
+            raise ValueError(f"{folder}: GGUF export takes {TAKES}, not {architecture}.")
         gguf_architecture(config)  # refuse before loading any weight
-        return TfmForCausalLM.from_pretrained(folder), str(folder)
-    if not isinstance(model_or_folder, TfmForCausalLM):
-        raise ValueError(f"GGUF export takes causal LMs (TfmForCausalLM), not {type(model_or_folder).__name__}.")
+        return classes[architecture].from_pretrained(folder), str(folder)
+    if not isinstance(model_or_folder, tuple(classes.values())):
+        raise ValueError(f"GGUF export takes {TAKES}, not {type(model_or_folder).__name__}.")
     return model_or_folder, getattr(model_or_folder, "name_or_path", None) or None
 
 
@@ -499,7 +568,7 @@ def _write(writer, gguf, config: TfmConfig, arch: str, tensors: dict, tok: dict,
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_vocab_size(config.vocab_size)
-    if arch in LAYERNORM:
+    if arch in (*LAYERNORM, "bert"):
         writer.add_layer_norm_eps(config.norm_eps)
     else:
         writer.add_layer_norm_rms_eps(config.norm_eps)
@@ -507,6 +576,10 @@ def _write(writer, gguf, config: TfmConfig, arch: str, tensors: dict, tok: dict,
         writer.add_value_length(config.head_dim)
     if arch not in ("gpt2", "bloom"):
         writer.add_head_count_kv(config.num_key_value_heads)
+    if arch == "bert":  # embeddings of the whole input, averaged (llama.cpp's server and tools can ask for others)
+        writer.add_causal_attention(False)
+        writer.add_pooling_type(gguf.PoolingType.MEAN)
+        writer.add_token_type_count(max(config.type_vocab_size, 1))
     if config.position_embedding_type == "rope":
         writer.add_rope_dimension_count(config.head_dim)
         writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
@@ -729,6 +802,29 @@ def run(args):
 """
 
 
+# An encoder's side in llama.cpp: the hidden states of every token of each prompt (pooling none), one prompt a batch.
+_LLAMA_CPP_EMBED_SIDE = r"""
+import llama_cpp
+import numpy as np
+
+
+def run(args):
+    llm = llama_cpp.Llama(
+        args["path"], n_ctx=max(map(len, args["prompts"])), n_threads=args["threads"], embedding=True,
+        pooling_type=llama_cpp.LLAMA_POOLING_TYPE_NONE, verbose=False,
+    )
+    rows = []
+    for prompt in args["prompts"]:
+        llm._batch.reset()
+        llm._batch.add_sequence(prompt, 0, True)
+        llm._ctx.kv_cache_clear()
+        llm._ctx.decode(llm._batch)
+        values = llama_cpp.llama_get_embeddings(llm._ctx.ctx)[: len(prompt) * llm.n_embd()]
+        rows.append(np.array(values, dtype=np.float32).reshape(len(prompt), llm.n_embd()))
+    return {"last_hidden_state": rows}
+"""
+
+
 def verify_gguf(
     gguf_file: str | os.PathLike,
     model_or_folder: Any,
@@ -756,6 +852,8 @@ def verify_gguf(
     arch = _arch_of(reader)
     file_type = int(reader.fields["general.file_type"].parts[-1][0])
     runtime = runtime or ("transformers" if arch in TRANSFORMERS_READS else "llama.cpp")
+    if arch == "bert":  # an encoder: its hidden states, in llama.cpp (transformers' GGUF loader reads no BERT)
+        return _verify_embeddings(gguf_file, model, prompts, arch, gguf.LlamaFileType(file_type).name, runtime)
     if runtime not in ("llama.cpp", "transformers"):
         raise ValueError(f"runtime={runtime!r}: GGUF files are verified in 'llama.cpp' or 'transformers'.")
     if runtime == "transformers" and arch not in TRANSFORMERS_READS:
@@ -789,6 +887,26 @@ def verify_gguf(
         "runtime": runtime,
         "class": theirs["class"],
         **agreement_report(ours, theirs, references, prompts, False, max_new_tokens),
+    }
+
+
+def _verify_embeddings(path: Path, model: Any, prompts: list, arch: str, file_type: str, runtime: str) -> dict:
+    """Each prompt's hidden states in llama.cpp against the encoder's (`max_diff`), as the other runtimes' encoder
+    checks report them."""
+    if runtime != "llama.cpp":
+        raise ValueError(f"transformers' GGUF loader does not read {arch!r} files: verify them in llama.cpp.")
+    python = llama_cpp_python()
+    if python is None:
+        raise ImportError(f"Verifying a GGUF {arch} file {LLAMA_CPP_HINT}.")
+    args = {"path": str(path), "prompts": [list(map(int, p)) for p in prompts], "threads": torch.get_num_threads()}
+    theirs = run_side(_LLAMA_CPP_EMBED_SIDE, args, True, RUNTIME, python=python)
+    return {
+        "architecture": arch,
+        "file_type": file_type,
+        "runtime": runtime,
+        "outputs": list(theirs),
+        "max_diff": encoder_max_diff(model, args["prompts"], theirs, path),
+        "prompts": len(prompts),
     }
 
 
