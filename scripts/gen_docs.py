@@ -286,6 +286,17 @@ RUNTIME_ROWS = {
     "experts with qk-norm (Qwen3-MoE's)": {"num_experts": 4, "qk_norm": True},
     "experts on some layers only (`mlp_only_layers=[0]`)": {"num_experts": 4, "mlp_only_layers": [0]},
     "an encoder (`is_causal=False`)": {"is_causal": False},
+    "an encoder with BERT's block (post-norm, learned, embedding LayerNorm, tanh-GELU MLP, biases)": {
+        "is_causal": False,
+        "norm_position": "post",
+        "position_embedding_type": "learned",
+        "embedding_norm": True,
+        "norm_type": "layernorm",
+        "ffn_type": "mlp",
+        "hidden_act": "gelu_new",
+        "attention_bias": True,
+        "mlp_bias": True,
+    },
     "an encoder-decoder (`TfmSeq2SeqConfig`)": None,
 }
 RUNTIME_SIZES = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
