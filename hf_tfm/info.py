@@ -185,14 +185,19 @@ def _ctranslate2_export(config: TfmConfig | TfmSeq2SeqConfig, architecture: str)
 
 
 def _executorch_export(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> Support:
-    from .exporters.executorch import executorch_blockers, max_cache_length
+    from .exporters.executorch import TAKES, executorch_blockers, max_cache_length
 
-    if architecture != "TfmForCausalLM":
-        return False, f"ExecuTorch export takes causal LMs (TfmForCausalLM), not {architecture}"
     found = executorch_blockers(config)
     if found:
         return False, "; ".join(found)
-    how = f"one program, batch 1, a static cache of {max_cache_length(config)} positions"
+    if architecture not in TAKES:
+        return False, f"ExecuTorch export takes {', '.join(TAKES)}, not {architecture}"
+    if architecture != "TfmForCausalLM":
+        how = "one program: a padded batch's outputs, batch and length dynamic"
+    elif not config.is_causal:
+        return False, "a TfmForCausalLM with `is_causal=False` generates nothing: export its encoder class"
+    else:
+        how = f"one program, batch 1, a static cache of {max_cache_length(config)} positions"
     return True, f"{how} (`hf-tfm export --format executorch`){_install_note('executorch')}"
 
 

@@ -1246,6 +1246,7 @@ RUNTIME_SETTINGS = {
     "llama.cpp f32": ("gguf", "f32", "llama.cpp (llama-cpp-python 0.3.36), F32 weights"),
     "llama.cpp q8_0": ("gguf", "q8_0", "llama.cpp, Q8_0 weights (8-bit blocks of 32)"),
     "llama.cpp q4_0": ("gguf", "q4_0", "llama.cpp, Q4_0 weights (4-bit blocks of 32)"),
+    "llama.cpp q4_k_m": ("gguf", "q4_k_m", "llama.cpp, Q4_K_M weights (llama.cpp's quantizer: Q4_K, some Q6_K)"),
 }
 WORKER = Path(__file__).resolve().parent / "bench_runtime_worker.py"
 # llama.cpp runs in its own environment (`make llama-cpp-env`), where neither torch nor hf_tfm is installed
@@ -1294,6 +1295,8 @@ def runtimes(size: str, args, bandwidth: dict) -> list[dict]:
     from hf_tfm.tokenization import train_bpe_tokenizer
 
     shp, vocab = SHAPES[size], SIZES[size]["vocab"]
+    if LLAMA_CPP_PYTHON.is_file():  # K-quants are written by llama.cpp's quantizer, in its environment
+        os.environ.setdefault("HF_TFM_LLAMA_CPP_PYTHON", str(LLAMA_CPP_PYTHON))
     model = build_pair("llama", size, torch.float32, args.attn, "cpu").ours
     tokenizer = train_bpe_tokenizer(["def f(x):\n    return x + 1\n"] * 20, vocab_size=300)  # CTranslate2's strings
     rows = []

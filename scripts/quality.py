@@ -100,7 +100,12 @@ RUNTIME_SETTINGS = {
     "ct2_int8": ("ctranslate2", "int8", "CTranslate2, int8 weights"),
     "gguf_q8_0": ("gguf", "q8_0", "GGUF Q8_0 weights (dequantized by transformers' GGUF loader)"),
     "gguf_q4_0": ("gguf", "q4_0", "GGUF Q4_0 weights (dequantized by transformers' GGUF loader)"),
+    "gguf_q4_k_m": ("gguf", "q4_k_m", "GGUF Q4_K_M weights (llama.cpp's quantizer; dequantized by transformers)"),
 }
+# llama.cpp's environment (`make llama-cpp-env`), whose quantizer writes the K-quants
+LLAMA_CPP_PYTHON = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-llama-cpp/bin/python"
+)
 
 
 def score_runtime(setting: str, folder: str, blocks: list[list[int]], fp32: dict, threads: int) -> dict:
@@ -112,6 +117,8 @@ def score_runtime(setting: str, folder: str, blocks: list[list[int]], fp32: dict
     from hf_tfm.exporters import export
 
     fmt, quantize, _ = RUNTIME_SETTINGS[setting]
+    if os.path.isfile(LLAMA_CPP_PYTHON):
+        os.environ.setdefault("HF_TFM_LLAMA_CPP_PYTHON", LLAMA_CPP_PYTHON)
     out = export(folder, os.path.join(folder, f"export-{setting}"), format=fmt, quantize=quantize)
     if fmt == "gguf":
         model = AutoModelForCausalLM.from_pretrained(str(out.parent), gguf_file=out.name, dtype=torch.float32)

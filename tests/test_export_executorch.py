@@ -106,12 +106,11 @@ def test_refusals_name_the_reason_with_controls(tmp_path):
     with pytest.raises(ValueError, match="encoder-decoder"):
         export_executorch(build(hf_tfm.TfmForConditionalGeneration, seq2seq), tmp_path / "et")
     encoder = tiny_config(is_causal=False)
-    assert any("is_causal=False" in b for b in executorch_blockers(encoder))
-    with pytest.raises(ValueError, match="is_causal=False"):
-        export_executorch(build(hf_tfm.TfmModel, encoder), tmp_path / "et")
-    # A causal config under another head: the control for the head check.
-    with pytest.raises(ValueError, match="TfmForSequenceClassification"):
-        export_executorch(build(hf_tfm.TfmForSequenceClassification, tiny_config(num_labels=2)), tmp_path / "et")
+    assert not executorch_blockers(encoder)  # an encoder exports as its one forward (test_encoder_* below)
+    with pytest.raises(ValueError, match=r"TfmForCausalLM with `is_causal=False` generates nothing"):
+        export_executorch(build(hf_tfm.TfmForCausalLM, encoder), tmp_path / "et")
+    with pytest.raises(ValueError, match="not TfmForConditionalGeneration"):  # the class check, config aside
+        et_export._check_class("TfmForConditionalGeneration", encoder)
     dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     assert any("'dynamic'" in b for b in executorch_blockers(config_of(rope_parameters=dynamic)))
     linear = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
@@ -166,3 +165,84 @@ def test_cli_export_executorch_verify_and_info(tmp_path, gqa_folder, capsys):
     tiny_seq2seq_config().save_pretrained(tmp_path / "s2s")
     ok, why = describe(str(tmp_path / "s2s"))["integrations"]["export to runtimes"]["ExecuTorch (XNNPACK)"]
     assert not ok and "TfmForConditionalGeneration" in why
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Encoders: one forward of a padded batch, batch and length dynamic
+
+BERT = {**POST_NORM_LEARNED, "is_causal": False, "embedding_norm": True, "type_vocab_size": 2}
+ENCODERS = {
+    "bert-features-pooler": (hf_tfm.TfmModel, {**BERT, "add_pooling_layer": True}),
+    "rope-gqa-sequence-classification": (
+        hf_tfm.TfmForSequenceClassification,
+        {"is_causal": False, "num_key_value_heads": 2, "num_labels": 3},
+    ),
+    "alibi-token-classification": (
+        hf_tfm.TfmForTokenClassification,
+        {"is_causal": False, "position_embedding_type": "alibi", "num_labels": 5},
+    ),
+    "sinusoidal-question-answering": (
+        hf_tfm.TfmForQuestionAnswering,
+        {"is_causal": False, "position_embedding_type": "sinusoidal", "qk_norm": True},
+    ),
+    "masked-lm-experts": (hf_tfm.TfmForMaskedLM, {"is_causal": False, "num_experts": 4, "num_experts_per_tok": 2}),
+}
+
+
+def encoder(cls, overrides: dict):
+    torch.manual_seed(0)
+    model = cls(config_of(**overrides)).eval()
+    with torch.no_grad():  # weights of a trained model's scale, not initializer_range's (whose outputs are ~0)
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.2)
+    return model
+
+
+@pytest.mark.parametrize("case", list(ENCODERS))
+def test_encoder_export_matches_on_a_padded_batch(case, tmp_path):
+    """Each encoder class's outputs in executorch's runtime (a process without transformers or hf_tfm), the prompts
+    as one right-padded batch, against the model on each prompt alone."""
+    cls, overrides = ENCODERS[case]
+    model = encoder(cls, overrides)
+    path = export_executorch(model, tmp_path / "et")
+    manifest = json.loads((path / et_export.MANIFEST).read_text())
+    report = verify_executorch(path, model, prompts=PROMPTS)
+    print(f"{case}: {report}")
+    expected = {
+        hf_tfm.TfmModel: ["last_hidden_state", "pooler_output"],
+        hf_tfm.TfmForQuestionAnswering: ["end_logits", "start_logits"],
+    }.get(cls, ["logits"])
+    assert report["outputs"] == expected and report["prompts"] == len(PROMPTS)
+    assert report["max_diff"] < F32_ATOL
+    assert manifest["inputs"][:2] == ["input_ids", "attention_mask"]
+    assert ("token_type_ids" in manifest["inputs"]) == bool(model.config.type_vocab_size)
+    assert (path / et_export.ENCODER_RUNNER).is_file() and not (path / et_export.RUNNER).exists()
+
+
+def test_encoder_runner_takes_token_types(tmp_path):
+    """The folder's own encoder runner, as a deployment uses it (executorch and torch only): segment ids change the
+    features as they do in hf_tfm, and batch sizes other than the capture's run."""
+    model = encoder(hf_tfm.TfmModel, BERT)
+    path = export_executorch(model, tmp_path / "et")
+    ids, types = [[1, 7, 9, 11, 2], [1, 8, 8, 2, 0]], [[0, 0, 1, 1, 1], [0, 1, 1, 1, 0]]
+    mask = [[1] * 5, [1, 1, 1, 1, 0]]
+    code = (
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(path)!r})\n"
+        "from et_encode import ExecutorchEncoder\n"
+        f"out = ExecutorchEncoder({str(path)!r})({ids!r}, {mask!r}, {types!r})\n"
+        "print(json.dumps(out['last_hidden_state'].tolist()))\n"
+    )
+    blocked = "import sys; sys.modules['transformers'] = None; sys.modules['hf_tfm'] = None\n"
+    done = subprocess.run([sys.executable, "-c", blocked + code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs = torch.tensor(json.loads(done.stdout.strip().splitlines()[-1]))
+    with torch.no_grad():
+        ours = model(
+            input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), token_type_ids=torch.tensor(types)
+        ).last_hidden_state
+    torch.testing.assert_close(theirs[0], ours[0], atol=F32_ATOL, rtol=0)
+    torch.testing.assert_close(theirs[1, :4], ours[1, :4], atol=F32_ATOL, rtol=0)
+    with torch.no_grad():
+        untyped = model(input_ids=torch.tensor(ids[:1])).last_hidden_state
+    assert (untyped[0] - ours[0]).abs().max() > 1e-3  # the types were used

@@ -26,6 +26,14 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
+# The encoder classes an export runs as one forward of a padded batch (features or a task head's outputs)
+ENCODER_CLASSES = (
+    "TfmModel",
+    "TfmForSequenceClassification",
+    "TfmForTokenClassification",
+    "TfmForQuestionAnswering",
+    "TfmForMaskedLM",
+)
 # Two texts of different lengths: `verify`'s prompts when none are given
 DEFAULT_PROMPTS = ("def main():\n    ", 'import os\nimport sys\n\n\nclass Config:\n    """Return the')
 

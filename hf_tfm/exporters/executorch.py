@@ -2,7 +2,7 @@
 
 No runtime architecture has to match: the program is hf_tfm's modeling code, so every knob that traces (every
 position type, norm placement, parallel residual, qk-norm, sliding windows, MoE, ...) is computed exactly. What is
-written, for a causal LM (`TfmForCausalLM`) only:
+written for a causal LM (`TfmForCausalLM`):
 
 * `model.pte`: one method, `forward(input_ids (1, T), cache_position (T,)) -> logits (1, T, V)`, float32, delegated
   to XNNPACK. The KV cache is a static cache of `max_cache_len` positions held inside the program as mutable buffers,
@@ -11,6 +11,11 @@ written, for a causal LM (`TfmForCausalLM`) only:
 * `config.json`, the tokenizer's files, `executorch_export.json` (the method's inputs and outputs, max_cache_len and
   the generation ids) and `et_generate.py`: `ExecutorchGenerator(folder).generate(prompt, max_new_tokens)`, greedy
   decoding with executorch's runtime alone (no transformers, no hf_tfm). Verification runs that same code.
+
+For an encoder (`TfmModel` or a task head: sequence or token classification, question answering, masked LM):
+`model.pte` with one method, `forward(input_ids (B, T), attention_mask (B, T)[, token_type_ids (B, T)]) -> the
+model's outputs` (features, pooler, logits: named in the manifest), batch and length dynamic, and `et_encode.py`,
+whose `ExecutorchEncoder(folder)(ids, mask)` runs it on a padded batch with executorch's runtime alone.
 
 Why one program with a static cache: transformers' exporters write prefill + decode programs around a `DynamicCache`
 whose traced shapes only decode one step, and their static-cache variant takes a 4-D attention mask per step. Here
@@ -33,8 +38,10 @@ import torch
 
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
 from ._common import (
+    ENCODER_CLASSES,
     agreement_report,
     copy_tokenizer,
+    encoder_max_diff,
     eos_ids,
     greedy_references,
     new_tokens,
@@ -49,6 +56,8 @@ TYPES = {"float32": "float32 (XNNPACK)"}
 MANIFEST = "executorch_export.json"
 PROGRAM = "model.pte"
 RUNNER = "et_generate.py"  # written beside the program: `ExecutorchGenerator`, executorch's runtime and torch only
+ENCODER_RUNNER = "et_encode.py"  # an encoder's: `ExecutorchEncoder`
+TAKES = ("TfmForCausalLM", *ENCODER_CLASSES)
 INSTALL_HINT = 'ExecuTorch export needs executorch: pip install "hf-tfm[executorch]" (or pip install executorch)'
 MAX_CACHE_LEN = 1024  # the cap on the program's KV cache (memory is allocated for all of it)
 # rope types that rebuild their frequencies from the sequence length at run time (`dynamic_rope_update`)
@@ -65,13 +74,11 @@ def _import_executorch():
 
 
 def executorch_blockers(config: TfmConfig | TfmSeq2SeqConfig) -> list[str]:
-    """Empty when the ExecuTorch export takes `config`: causal decoders, whose RoPE (if any) does not depend on the
-    sequence length."""
+    """Empty when the ExecuTorch export takes `config`: decoders and encoders (not encoder-decoders), whose RoPE (if
+    any) does not depend on the sequence length."""
     if isinstance(config, TfmSeq2SeqConfig):
         return [f"{RUNTIME}: the encoder-decoder (TfmSeq2SeqConfig) has no ExecuTorch export"]
     out = []
-    if not config.is_causal:
-        out.append(f"{RUNTIME}: `is_causal=False` (an encoder); the export is a causal LM's generation program")
     if config.add_cross_attention:
         out.append(f"{RUNTIME}: `add_cross_attention=True` needs an encoder's states, which the program does not take")
     if config.position_embedding_type == "rope" and config.rope_parameters:
@@ -95,7 +102,7 @@ def max_cache_length(config: TfmConfig) -> int:
 
 
 def _load(model_or_folder: Any) -> tuple[torch.nn.Module, str | None]:
-    """The causal LM in float32 (a copy when it is in another dtype) and its folder, if any."""
+    """The causal LM or encoder in float32 (a copy when it is in another dtype) and its folder, if any."""
     from transformers import AutoConfig
 
     from .. import modeling
@@ -107,21 +114,28 @@ def _load(model_or_folder: Any) -> tuple[torch.nn.Module, str | None]:
         if blocked:
             raise ValueError(f"{folder}: {'; '.join(blocked)}.")
         architecture = (getattr(config, "architectures", None) or ["TfmForCausalLM"])[0]
-        if architecture != "TfmForCausalLM":
-            raise ValueError(f"{folder}: ExecuTorch export takes TfmForCausalLM, not {architecture}.")
-        return modeling.TfmForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), str(folder)
+        _check_class(architecture, config, where=f"{folder}: ")
+        model_class = getattr(modeling, architecture)
+        return model_class.from_pretrained(folder, dtype=torch.float32).eval(), str(folder)
     blocked = executorch_blockers(getattr(model_or_folder, "config", None))
     if blocked:
         raise ValueError("; ".join(blocked) + ".")
-    name = type(model_or_folder).__name__
-    if name != "TfmForCausalLM":
-        raise ValueError(f"ExecuTorch export takes TfmForCausalLM, not {name}.")
+    _check_class(type(model_or_folder).__name__, model_or_folder.config)
     model = model_or_folder
     if model.dtype != torch.float32:
         import copy
 
         model = copy.deepcopy(model).float()
     return model.eval(), getattr(model_or_folder, "name_or_path", None) or None
+
+
+def _check_class(architecture: str, config: TfmConfig, where: str = "") -> None:
+    if architecture not in TAKES:
+        raise ValueError(f"{where}ExecuTorch export takes {', '.join(TAKES)}, not {architecture}.")
+    if architecture == "TfmForCausalLM" and not config.is_causal:
+        raise ValueError(
+            f"{where}a TfmForCausalLM with `is_causal=False` generates nothing: export its encoder class."
+        )
 
 
 class _StaticCacheLM(torch.nn.Module):
@@ -212,6 +226,70 @@ def _lower(model: torch.nn.Module, max_cache_len: int) -> Any:
         return to_edge_transform_and_lower(exported, partitioner=[partitioner_class()]).to_executorch()
 
 
+class _Encoder(torch.nn.Module):
+    """forward(input_ids, attention_mask[, token_type_ids]) -> the model's tensor outputs, in `names` order."""
+
+    def __init__(self, model: torch.nn.Module, names: list[str]) -> None:
+        super().__init__()
+        self.model, self.names = model, names
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> tuple:
+        options = {"output_router_logits": False} if self.model.config.num_experts else {}
+        if token_type_ids is not None:
+            options["token_type_ids"] = token_type_ids
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, **options)
+        return tuple(out[name] for name in self.names)
+
+
+def _encoder_partitioner(partitioner_class: Any) -> Any:
+    """XNNPACK's partitioner, except for unsqueezes with more than one dynamic dimension, which stay in executorch's
+    portable kernels: XNNPACK's reshape takes one (executorch 1.5.1 delegates them, then fails to serialize them; a
+    padded batch has two: batch and length, as in the sinusoidal table's `positions[..., None]`)."""
+    from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
+    from executorch.backends.xnnpack.partition.config.generic_node_configs import UnsqueezeCopyConfig
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    class OneDynamicDimUnsqueeze(UnsqueezeCopyConfig):
+        def check_constraints(self, node: torch.fx.Node, ep: Any) -> bool:
+            dynamic = sum(bool(free_symbols(size)) for size in node.meta["val"].shape)
+            return dynamic <= 1 and super().check_constraints(node, ep)
+
+    configs = [OneDynamicDimUnsqueeze if c is UnsqueezeCopyConfig else c for c in ALL_PARTITIONER_CONFIGS]
+    return partitioner_class(configs=configs)
+
+
+def _encoder_inputs(config: TfmConfig) -> list[str]:
+    return ["input_ids", "attention_mask", *(["token_type_ids"] if config.type_vocab_size else [])]
+
+
+def _lower_encoder(model: torch.nn.Module) -> tuple[Any, list[str]]:
+    """The `ExecutorchProgramManager` of an encoder's one forward, and its outputs' names."""
+    to_edge_transform_and_lower, partitioner_class = _import_executorch()
+    config = model.config
+    # Two right-padded texts: sizes of 2+ keep batch and length dynamic, a zero in the mask makes it a real input
+    ids = torch.full((2, 6), 5, dtype=torch.long)
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    sample = dict(zip(_encoder_inputs(config), (ids, mask, torch.zeros_like(ids)), strict=False))
+    with _exportable(model), torch.no_grad():
+        out = model(**sample)
+        names = [name for name, value in out.items() if isinstance(value, torch.Tensor) and name != "router_logits"]
+        batch = torch.export.Dim("batch", min=1, max=1024)
+        length = torch.export.Dim("tokens", min=1, max=config.max_position_embeddings)
+        exported = torch.export.export(
+            _Encoder(model, names).eval(),
+            (),
+            sample,
+            dynamic_shapes={name: {0: batch, 1: length} for name in sample},
+            strict=False,
+        )
+        partitioner = _encoder_partitioner(partitioner_class)
+        program = to_edge_transform_and_lower(exported, partitioner=[partitioner]).to_executorch()
+    return program, names
+
+
 def _write_program(program: Any, path: Path) -> None:
     with open(path, "wb") as file:
         program.write_to_file(file)  # streamed: `.buffer` would hold the whole program in memory first
@@ -220,16 +298,22 @@ def _write_program(program: Any, path: Path) -> None:
 def export_executorch(
     model_or_folder: Any, out: str | os.PathLike, quantize: str | None = None, tokenizer: Any = None
 ) -> Path:
-    """Write an hf_tfm causal LM (model or saved folder) as an ExecuTorch program in the folder `out`; see the module
-    docstring. An existing `out` is replaced only once the new export is complete."""
+    """Write an hf_tfm causal LM or encoder (model or saved folder) as an ExecuTorch program in the folder `out`; see
+    the module docstring. An existing `out` is replaced only once the new export is complete."""
     qtype = quantize or "float32"
     if qtype not in TYPES:
         raise ValueError(f"quantize={quantize!r}: ExecuTorch weight types written here are {list(TYPES)}.")
     _import_executorch()
     model, source = _load(model_or_folder)
     config = model.config
-    max_cache_len = max_cache_length(config)
     out = Path(out)
+    if type(model).__name__ != "TfmForCausalLM":
+        with staged_folder(out) as tmp:
+            program, names = _lower_encoder(model)
+            _write_program(program, tmp / PROGRAM)
+            _write_encoder_files(tmp, model, names, qtype, source, tokenizer)
+        return out
+    max_cache_len = max_cache_length(config)
     with staged_folder(out) as tmp:
         _write_program(_lower(model, max_cache_len), tmp / PROGRAM)
         import executorch
@@ -255,6 +339,28 @@ def export_executorch(
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         (tmp / RUNNER).write_text(_ET_SIDE.lstrip())
     return out
+
+
+def _write_encoder_files(tmp: Path, model: Any, names: list[str], qtype: str, source: Any, tokenizer: Any) -> None:
+    import executorch
+
+    config = model.config
+    manifest = {
+        "architecture": type(model).__name__,
+        "weights": qtype,
+        "backend": "xnnpack",
+        "program": PROGRAM,
+        "method": "forward",
+        "inputs": _encoder_inputs(config),  # each (B, T) int64; attention_mask 1 for a token, 0 for padding
+        "outputs": names,  # float32, as the model returns them
+        "max_length": config.max_position_embeddings,
+        "pad_token_id": config.pad_token_id,
+        "executorch_version": getattr(executorch, "__version__", None),
+    }
+    config.save_pretrained(tmp)
+    copy_tokenizer(source, tokenizer, tmp)
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    (tmp / ENCODER_RUNNER).write_text(_ET_ENCODER_SIDE.lstrip())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -317,6 +423,44 @@ def run(args):
 '''
 
 
+_ET_ENCODER_SIDE = r'''
+import json
+from pathlib import Path
+
+import torch
+from executorch.runtime import Runtime
+
+
+class ExecutorchEncoder:
+    """An hf_tfm encoder's ExecuTorch export (model.pte) with executorch's runtime alone: `encoder(ids, mask)` on a
+    padded batch (lists of equal length; token_type_ids too when the manifest lists them) returns the outputs by
+    name."""
+
+    def __init__(self, folder):
+        folder = Path(folder)
+        self.manifest = json.loads((folder / "executorch_export.json").read_text())
+        program = Runtime.get().load_program(folder / self.manifest["program"])
+        self.method = program.load_method(self.manifest["method"])
+
+    def __call__(self, input_ids, attention_mask, token_type_ids=None):
+        inputs = [torch.tensor(input_ids, dtype=torch.long), torch.tensor(attention_mask, dtype=torch.long)]
+        if "token_type_ids" in self.manifest["inputs"]:
+            types = token_type_ids if token_type_ids is not None else [[0] * len(row) for row in input_ids]
+            inputs.append(torch.tensor(types, dtype=torch.long))
+        outputs = self.method.execute(inputs)
+        # copies: the outputs' memory is the program's, and the next call reuses it
+        return {name: value.clone() for name, value in zip(self.manifest["outputs"], outputs)}
+
+
+def run(args):
+    prompts, pad = args["prompts"], args["pad"]
+    width = max(map(len, prompts))
+    ids = [p + [pad] * (width - len(p)) for p in prompts]
+    mask = [[1] * len(p) + [0] * (width - len(p)) for p in prompts]
+    return {name: list(value) for name, value in ExecutorchEncoder(args["path"])(ids, mask).items()}
+'''
+
+
 def verify_executorch(
     exported: str | os.PathLike,
     model_or_folder: Any,
@@ -328,11 +472,22 @@ def verify_executorch(
     hf_tfm, unless `fresh_process=False`) and compare it with the hf_tfm model: greedy tokens of each prompt against
     `generate()` (EOS suppressed on both sides), and logits: each decoding step's while the tokens agree, and the
     prefill of hf_tfm's greedy sequences. Returns `tokens_equal`, `agreement`, `max_logit_diff`, `weights`,
-    `prompts`, `max_new_tokens`."""
+    `prompts`, `max_new_tokens`. An encoder's export runs the prompts as one padded batch, compared with the model on
+    each prompt alone: `outputs`, `max_diff`, `weights`, `prompts`."""
     exported = Path(exported).resolve()
     manifest = json.loads((exported / MANIFEST).read_text())
     model, source = _load(model_or_folder)
     prompts = prompt_ids(prompts, source)
+    if manifest["architecture"] != "TfmForCausalLM":  # an encoder: its outputs on the prompts as one padded batch
+        pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        args = {"path": str(exported), "prompts": prompts, "pad": pad}
+        theirs = run_side(_ET_ENCODER_SIDE, args, fresh_process, RUNTIME, blocked=("transformers", "hf_tfm"))
+        return {
+            "weights": manifest["weights"],
+            "outputs": sorted(theirs),
+            "max_diff": encoder_max_diff(model, prompts, theirs, exported),
+            "prompts": len(prompts),
+        }
     limit = manifest["max_cache_len"]
     for prompt in prompts:
         if len(prompt) + max_new_tokens > limit:
@@ -368,6 +523,7 @@ def verify_executorch(
 
 
 __all__ = [
+    "ENCODER_RUNNER",
     "INSTALL_HINT",
     "MANIFEST",
     "MAX_CACHE_LEN",

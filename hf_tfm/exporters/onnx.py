@@ -29,6 +29,7 @@ import torch
 
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
 from ._common import (
+    ENCODER_CLASSES,
     agreement_report,
     copy_tokenizer,
     encoder_max_diff,
@@ -45,13 +46,6 @@ TYPES = {"float32": "float32", "int8": "int8 per output channel (dynamic quantiz
 MANIFEST = "onnx_export.json"
 RUNNER = "ort_generate.py"  # written beside a causal LM's graphs: `OnnxGenerator`, onnxruntime and numpy only
 INSTALL_HINT = 'ONNX export needs onnx, onnxscript and onnxruntime: pip install "hf-tfm[export]"'
-ENCODER_CLASSES = (
-    "TfmModel",
-    "TfmForSequenceClassification",
-    "TfmForTokenClassification",
-    "TfmForQuestionAnswering",
-    "TfmForMaskedLM",
-)
 GENERATORS = ("TfmForCausalLM", "TfmForConditionalGeneration")  # exported as graphs that decode with a KV cache
 TAKES = ("TfmForCausalLM", "TfmForConditionalGeneration", "the encoder heads")
 
