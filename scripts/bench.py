@@ -1475,7 +1475,12 @@ def decode_chart(rows: list[dict], bandwidth: dict, title: str, sides: dict = SI
             why = f"fails here: {r['error'].split(':')[0]} (see the table)"
             ax_ms.text(0.01, i, why, transform=ax_ms.get_yaxis_transform(), va="center", color="0.4")
     if ms_values and max(ms_values) > 20 * min(ms_values):
-        ax_ms.set_xscale("log")
+        from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+        ax_ms.set_xscale("log")  # labels at 1, 2, 5 x 10^k as plain numbers (matplotlib's minor labels overlapped)
+        ax_ms.xaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
+        ax_ms.xaxis.set_major_formatter(ScalarFormatter())
+        ax_ms.xaxis.set_minor_formatter(NullFormatter())
     ax_bw.axvline(1.0, color="0.2", linestyle="--", linewidth=1)
     ax_ms.set_yticks(range(len(rows)), [r["setting"] for r in rows])
     ax_ms.set_ylim(len(rows) - 0.5, -0.5)
