@@ -307,41 +307,33 @@ def export_executorch(
     model, source = _load(model_or_folder)
     config = model.config
     out = Path(out)
-    if type(model).__name__ != "TfmForCausalLM":
-        with staged_folder(out) as tmp:
-            program, names = _lower_encoder(model)
-            _write_program(program, tmp / PROGRAM)
-            _write_encoder_files(tmp, model, names, qtype, source, tokenizer)
-        return out
-    max_cache_len = max_cache_length(config)
     with staged_folder(out) as tmp:
-        _write_program(_lower(model, max_cache_len), tmp / PROGRAM)
-        import executorch
-
-        manifest = {
-            "architecture": type(model).__name__,
-            "weights": qtype,
-            "backend": "xnnpack",
-            "program": PROGRAM,
-            "method": "forward",
-            "inputs": ["input_ids", "cache_position"],  # (1, T) int64 and (T,) int64: positions start..start+T-1
-            "outputs": ["logits"],  # (1, T, vocab_size) float32
-            "batch_size": 1,
-            "max_cache_len": max_cache_len,
-            "vocab_size": config.vocab_size,
-            "pad_token_id": config.pad_token_id,
-            "bos_token_id": config.bos_token_id,
-            "eos_token_id": config.eos_token_id,
-            "executorch_version": getattr(executorch, "__version__", None),
-        }
-        config.save_pretrained(tmp)
-        copy_tokenizer(source, tokenizer, tmp)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        (tmp / RUNNER).write_text(_ET_SIDE.lstrip())
+        if type(model).__name__ == "TfmForCausalLM":
+            max_cache_len = max_cache_length(config)
+            program = _lower(model, max_cache_len)
+            fields = {
+                "inputs": ["input_ids", "cache_position"],  # (1, T) int64 and (T,) int64: positions start..start+T-1
+                "outputs": ["logits"],  # (1, T, vocab_size) float32
+                "batch_size": 1,
+                "max_cache_len": max_cache_len,
+                "vocab_size": config.vocab_size,
+            }
+            runner = (RUNNER, _ET_SIDE)
+        else:
+            program, names = _lower_encoder(model)
+            fields = {
+                "inputs": _encoder_inputs(config),  # each (B, T) int64; attention_mask 1 for a token, 0 for padding
+                "outputs": names,  # float32, as the model returns them
+                "max_length": config.max_position_embeddings,
+            }
+            runner = (ENCODER_RUNNER, _ET_ENCODER_SIDE)
+        _write_program(program, tmp / PROGRAM)
+        _write_folder(tmp, model, qtype, fields, runner, source, tokenizer)
     return out
 
 
-def _write_encoder_files(tmp: Path, model: Any, names: list[str], qtype: str, source: Any, tokenizer: Any) -> None:
+def _write_folder(tmp: Path, model: Any, qtype: str, fields: dict, runner: tuple, source: Any, tokenizer: Any) -> None:
+    """Beside the program: the config, the tokenizer's files, the manifest and the runner (file name, code)."""
     import executorch
 
     config = model.config
@@ -351,16 +343,17 @@ def _write_encoder_files(tmp: Path, model: Any, names: list[str], qtype: str, so
         "backend": "xnnpack",
         "program": PROGRAM,
         "method": "forward",
-        "inputs": _encoder_inputs(config),  # each (B, T) int64; attention_mask 1 for a token, 0 for padding
-        "outputs": names,  # float32, as the model returns them
-        "max_length": config.max_position_embeddings,
+        **fields,
         "pad_token_id": config.pad_token_id,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
         "executorch_version": getattr(executorch, "__version__", None),
     }
     config.save_pretrained(tmp)
     copy_tokenizer(source, tokenizer, tmp)
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    (tmp / ENCODER_RUNNER).write_text(_ET_ENCODER_SIDE.lstrip())
+    name, code = runner
+    (tmp / name).write_text(code.lstrip())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
