@@ -164,7 +164,10 @@ def test_cli_export_executorch_verify_and_info(tmp_path, gqa_folder, capsys):
     assert main([*argv, "--quantize", "int8", "--overwrite"]) == 1 and "int8" in capsys.readouterr().err
     tiny_seq2seq_config().save_pretrained(tmp_path / "s2s")
     ok, why = describe(str(tmp_path / "s2s"))["integrations"]["export to runtimes"]["ExecuTorch (XNNPACK)"]
-    assert not ok and "TfmForConditionalGeneration" in why
+    assert not ok and "encoder-decoder (TfmSeq2SeqConfig)" in why
+    tiny_config(is_causal=False).save_pretrained(tmp_path / "enc")  # an encoder config: TfmModel
+    ok, why = describe(str(tmp_path / "enc"))["integrations"]["export to runtimes"]["ExecuTorch (XNNPACK)"]
+    assert ok and "padded batch" in why
 
 
 # ---------------------------------------------------------------------------------------------------------------------
