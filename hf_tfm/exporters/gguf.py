@@ -852,8 +852,6 @@ def verify_gguf(
     arch = _arch_of(reader)
     file_type = int(reader.fields["general.file_type"].parts[-1][0])
     runtime = runtime or ("transformers" if arch in TRANSFORMERS_READS else "llama.cpp")
-    if arch == "bert":  # an encoder: its hidden states, in llama.cpp (transformers' GGUF loader reads no BERT)
-        return _verify_embeddings(gguf_file, model, prompts, arch, gguf.LlamaFileType(file_type).name, runtime)
     if runtime not in ("llama.cpp", "transformers"):
         raise ValueError(f"runtime={runtime!r}: GGUF files are verified in 'llama.cpp' or 'transformers'.")
     if runtime == "transformers" and arch not in TRANSFORMERS_READS:
@@ -861,6 +859,8 @@ def verify_gguf(
     python = llama_cpp_python() if runtime == "llama.cpp" else None
     if runtime == "llama.cpp" and python is None:
         raise ImportError(f"Verifying a GGUF {arch} file {LLAMA_CPP_HINT}.")
+    if arch == "bert":  # an encoder: each token's hidden state, in llama.cpp
+        return _verify_embeddings(gguf_file, model, prompts, arch, gguf.LlamaFileType(file_type).name, python)
     references = greedy_references(model, prompts, max_new_tokens)
     with torch.no_grad():
         ours = [model(torch.tensor([ref])).logits[0].float() for ref in references]
@@ -890,20 +890,15 @@ def verify_gguf(
     }
 
 
-def _verify_embeddings(path: Path, model: Any, prompts: list, arch: str, file_type: str, runtime: str) -> dict:
-    """Each prompt's hidden states in llama.cpp against the encoder's (`max_diff`), as the other runtimes' encoder
-    checks report them."""
-    if runtime != "llama.cpp":
-        raise ValueError(f"transformers' GGUF loader does not read {arch!r} files: verify them in llama.cpp.")
-    python = llama_cpp_python()
-    if python is None:
-        raise ImportError(f"Verifying a GGUF {arch} file {LLAMA_CPP_HINT}.")
+def _verify_embeddings(path: Path, model: Any, prompts: list, arch: str, file_type: str, python: str) -> dict:
+    """Each prompt's hidden states in llama.cpp (run by `python`) against the encoder's (`max_diff`), as the other
+    runtimes' encoder checks report them."""
     args = {"path": str(path), "prompts": [list(map(int, p)) for p in prompts], "threads": torch.get_num_threads()}
     theirs = run_side(_LLAMA_CPP_EMBED_SIDE, args, True, RUNTIME, python=python)
     return {
         "architecture": arch,
         "file_type": file_type,
-        "runtime": runtime,
+        "runtime": "llama.cpp",
         "outputs": list(theirs),
         "max_diff": encoder_max_diff(model, args["prompts"], theirs, path),
         "prompts": len(prompts),
