@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .quantization import BACKENDS as QUANTIZATION_BACKENDS
+from .quantization import NATIVE_SETTINGS as NATIVE_QUANTIZATION
 
 logger = logging.getLogger("hf_tfm.cli")
 
@@ -60,7 +61,8 @@ DEMO_PROFILES: dict[str, dict[str, Any]] = {
 
 # `--quantize` settings and the backend each one uses (the fastest here; `hf_tfm.quantization.BACKENDS` builds them).
 QUANTIZE_HELP = {
-    setting: f"{backend.summary} (needs {backend.pip_spec})" for setting, backend in QUANTIZATION_BACKENDS.items()
+    **NATIVE_QUANTIZATION,
+    **{setting: f"{backend.summary} (needs {backend.pip_spec})" for setting, backend in QUANTIZATION_BACKENDS.items()},
 }
 
 
@@ -617,7 +619,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.quantize:  # bitsandbytes logs a line per matmul (input casts) and one for an optional Hub kernel
         logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
-        model = load_for_inference(args.model, quantize=args.quantize, compile=args.compile, dtype=args.dtype)
+        # hf_tfm's own int8 is made for the compiled step
+        compile = args.compile or args.quantize in NATIVE_QUANTIZATION
+        model = load_for_inference(args.model, quantize=args.quantize, compile=compile, dtype=args.dtype)
     except (QuantizationUnavailableError, ValueError) as err:
         raise CliError(str(err)) from err
     if args.seed is not None:
@@ -962,7 +966,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile",
         action="store_true",
         help="decode with a static cache and a compiled step (hf_tfm.load_for_inference); compiling takes seconds "
-        "to a minute first (docs/fast-inference.md)",
+        f"to a minute first (docs/fast-inference.md); always on with --quantize {'/'.join(NATIVE_QUANTIZATION)}",
     )
     p.set_defaults(func=cmd_generate)
 

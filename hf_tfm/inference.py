@@ -1,7 +1,7 @@
 """One call for the fastest decoding a saved model gets on this machine: quantized weights, a static KV cache and a
 compiled decode step, behind the ordinary `generate()`.
 
-    model = load_for_inference("my-model", quantize="int4")  # or None, "int8", "nf4"
+    model = load_for_inference("my-model", quantize="q8")  # or None, "int8", "int4", "nf4"
     model.generate(**tokenizer("def ", return_tensors="pt"), max_new_tokens=64)
 
 transformers' `generate()` compiles the model's forward for the decode steps when the cache is a static one and the
@@ -10,25 +10,122 @@ flag is set (it assumes compilation pays on accelerators only). Both are set her
 every later `generate()` call takes that path; a call can still pass `disable_compile=True`. The first call compiles
 (seconds to a minute on a CPU), each new cache length recompiles once before shapes turn dynamic, and tokens
 unquantized are the eager ones (tests/test_generation.py).
+
+A decode step multiplies one token's vector by every weight matrix, so its speed is the rate at which the weights
+stream from memory. `nn.Linear` on a CPU hands that product to MKL, whose GEMV with one row read the weights at 10
+GB/s on this project's 2-core machines, where Inductor's own code for the same product written as `(x * W).sum(-1)`
+read them at 22-27 GB/s (scripts/bench.py, docs/fast-inference.md). So the compiled step swaps every plain
+`nn.Linear` for `StreamingLinear`, the same module with that formula for a few tokens; and `quantize="q8"` stores
+int8 weights with a scale per output row (`Int8StreamingLinear`), which Inductor converts inside the same loop: a
+quarter of fp32's bytes, no dequantized copy.
 """
 
 import os
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, CompileConfig, PreTrainedModel
 from transformers.utils import logging
 
-from .quantization import quantization_kwargs
+from .quantization import BACKENDS, NATIVE_SETTINGS, quantization_kwargs
 
 logger = logging.get_logger(__name__)
+
+# Up to this many tokens (batch x length) a linear layer streams its weights with `(x * W).sum(-1)`; past it (a
+# prompt's prefill) a matrix product reuses each weight across tokens, which MKL's GEMM does better. Measured on the
+# bench's base shape: fp32 streaming beat MKL at one token only (8 tokens: 55 vs 49 ms a step); int8 streaming beat
+# dequantize-then-GEMM up to 8 tokens (43 vs 101 ms).
+STREAMING_TOKENS = {"float": 1, "int8": 8}
+
+
+def _streams(x: torch.Tensor, limit: int) -> bool:
+    # Eagerly `(x * W).sum(-1)` would write a (tokens, out, in) product before summing it: only Inductor fuses the
+    # product into the reduction, so only a compiled step takes this branch.
+    return torch.compiler.is_compiling() and x.shape[:-1].numel() <= limit
+
+
+class StreamingLinear(nn.Linear):
+    """`nn.Linear` whose compiled product for a single token reads the weights at the memory's streaming rate.
+
+    The same parameters and state dict as `nn.Linear` (`compile_generation` swaps the class of a plain one)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _streams(x, STREAMING_TOKENS["float"]):
+            return F.linear(x, self.weight, self.bias)
+        y = (x.unsqueeze(-2) * self.weight).sum(-1)  # (..., 1, in) * (out, in) -> (..., out)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8StreamingLinear(nn.Module):
+    """A linear layer with int8 weights and a float scale per output feature (`weight ≈ weight_int8 * weight_scale`),
+    symmetric round-to-nearest: the bytes of llama.cpp's Q8_0 with one scale per row instead of per 32 weights.
+
+    Built from a float `nn.Linear` by `from_linear`; decoding only: its state dict cannot be saved (a checkpoint keeps
+    the float weights, and `load_for_inference(..., quantize="q8")` quantizes them while loading)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.register_buffer("weight", weight)  # (out, in) int8
+        self.register_buffer("weight_scale", scale)  # (out,) in the activations' dtype
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear) -> "Int8StreamingLinear":
+        weight = linear.weight.float()
+        scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+        quantized = torch.round(weight / scale[:, None]).to(torch.int8)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(quantized, scale.to(linear.weight.dtype), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _streams(x, STREAMING_TOKENS["int8"]):
+            y = (x.unsqueeze(-2) * self.weight).sum(-1)  # int8 widened inside Inductor's loop: 1 byte per weight
+        else:
+            y = F.linear(x, self.weight.to(x.dtype))
+        y = y * self.weight_scale.to(y.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:  # torch.save, save_pretrained, PEFT
+        raise NotImplementedError(
+            "hf_tfm's q8 weights are for decoding only and cannot be saved: save the float model, and load it with "
+            "hf_tfm.load_for_inference(folder, quantize='q8') (quantized while loading, in seconds)"
+        )
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _plain_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, name, module) of every `nn.Linear` whose weight is an ordinary tensor: a quantizer's layers (their own
+    classes, or tensor subclasses such as torchao's) keep their own kernels."""
+    found = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if type(child) in (nn.Linear, StreamingLinear) and type(child.weight.data) is torch.Tensor:
+                found.append((parent, name, child))
+    return found
+
+
+def quantize_q8(model: PreTrainedModel) -> PreTrainedModel:
+    """Replace every plain `nn.Linear` of `model` (the output embedding `lm_head` too, as llama.cpp's Q8_0 does) by an
+    `Int8StreamingLinear` in place; returns `model`. A tied `lm_head` gets an int8 copy, the input embedding table
+    stays as it is (a step gathers one row of it)."""
+    for parent, name, linear in _plain_linears(model):
+        setattr(parent, name, Int8StreamingLinear.from_linear(linear))
+    model.config.tie_word_embeddings = False  # `lm_head` is no longer the embedding's weight: nothing may re-tie it
+    return model
 
 
 def compile_generation(model: PreTrainedModel) -> PreTrainedModel:
     """Make `model.generate()` decode with a static cache and a compiled step, on any device; returns `model`.
 
-    Weights of a quantizer that transformers marks as not compileable (bitsandbytes) keep eager decoding, with a
-    warning: generate() would skip compiling them anyway."""
+    Every plain `nn.Linear` becomes a `StreamingLinear` (same parameters; a faster single-token product once
+    compiled). Weights of a quantizer that transformers marks as not compileable (bitsandbytes) keep eager
+    decoding, with a warning: generate() would skip compiling them anyway."""
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None and not quantizer.is_compileable:
         logger.warning(
@@ -36,6 +133,8 @@ def compile_generation(model: PreTrainedModel) -> PreTrainedModel:
             type(quantizer).__name__.removesuffix("HfQuantizer"),
         )
         return model
+    for _, _, linear in _plain_linears(model):
+        linear.__class__ = StreamingLinear
     # fullgraph=False: a layer torch cannot trace (a quantizer's kernel, MoE's data-dependent routing) splits the
     # graph instead of failing; the dense models compile as one graph (tested).
     config = CompileConfig(fullgraph=False)
@@ -54,18 +153,38 @@ def load_for_inference(
 ) -> PreTrainedModel:
     """Load a causal LM or seq2seq LM folder (or Hub id) in eval mode for fast `generate()`.
 
-    `quantize`: "int8", "int4" or "nf4" (`hf_tfm.quantization.BACKENDS`: transformers' torchao or bitsandbytes
-    integration, which needs that package), or None for the checkpoint's weights. `compile`: decode with a static
-    cache and a compiled step (`compile_generation`). `dtype`: of the weights (with `quantize`, of what stays
-    unquantized; default: the setting's or the checkpoint's). Other keyword arguments go to `from_pretrained`.
+    `quantize`: "q8" (hf_tfm's own int8, `quantize_q8`; the fastest compiled setting here), "int8", "int4" or
+    "nf4" (`hf_tfm.quantization.BACKENDS`: transformers' torchao or bitsandbytes integration, which needs that
+    package), or None for the checkpoint's weights. `compile`: decode with a static cache and a compiled step
+    (`compile_generation`). `dtype`: of the weights (with `quantize`, of what stays unquantized; default: the
+    setting's or the checkpoint's). Other keyword arguments go to `from_pretrained`.
     """
+    if quantize is not None and quantize not in NATIVE_SETTINGS and quantize not in BACKENDS:
+        raise ValueError(
+            f"unknown quantization setting {quantize!r}: choose one of {', '.join([*NATIVE_SETTINGS, *BACKENDS])}"
+        )
     config = AutoConfig.from_pretrained(path, trust_remote_code=True)
-    loading = quantization_kwargs(quantize, config) if quantize else {}
+    native = quantize in NATIVE_SETTINGS
+    loading = quantization_kwargs(quantize, config) if quantize and not native else {}
     if dtype is not None:
         loading["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
     model = auto.from_pretrained(path, trust_remote_code=True, **loading, **kwargs).eval()
+    if native:
+        quantize_q8(model)
+        if not compile:
+            logger.warning(
+                "quantize=%r is made for the compiled step: eagerly, each layer's int8 weights are converted at every "
+                "step, slower than float32 (pass compile=True)",
+                quantize,
+            )
     return compile_generation(model) if compile else model
 
 
-__all__ = ["compile_generation", "load_for_inference"]
+__all__ = [
+    "Int8StreamingLinear",
+    "StreamingLinear",
+    "compile_generation",
+    "load_for_inference",
+    "quantize_q8",
+]

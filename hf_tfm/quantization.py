@@ -111,6 +111,13 @@ BACKENDS: dict[str, QuantizationBackend] = {
 }
 
 
+# Settings hf_tfm quantizes itself, with no quantization package (`hf_tfm.inference.quantize_q8`): setting -> summary
+NATIVE_SETTINGS = {
+    "q8": "hf_tfm int8 weights with a scale per row, lm_head too, streamed by the compiled step (the fastest setting "
+    "here; quantized while loading, not saveable)",
+}
+
+
 def quantization_kwargs(setting: str, config: "PretrainedConfig") -> dict[str, Any]:
     """`from_pretrained` keyword arguments for a `--quantize` setting ("int8", "int4" or "nf4") of a model with
     `config`.
@@ -122,4 +129,4 @@ def quantization_kwargs(setting: str, config: "PretrainedConfig") -> dict[str, A
     return BACKENDS[setting].loading_kwargs(config)
 
 
-__all__ = ["BACKENDS", "QuantizationBackend", "QuantizationUnavailableError", "quantization_kwargs"]
+__all__ = ["BACKENDS", "NATIVE_SETTINGS", "QuantizationBackend", "QuantizationUnavailableError", "quantization_kwargs"]

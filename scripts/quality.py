@@ -3,8 +3,8 @@
 
 A small hf_tfm causal LM is trained briefly on the demo's corpus (the Python standard library's own source, split by
 file; every 20th file is held out) with a byte-level BPE tokenizer trained on the training files, then saved in fp32.
-Each setting of `scripts/bench.py`'s `DECODE_SETTINGS` (bf16 weights and every quantization backend) loads that
-folder through `from_pretrained` and is scored on the held-out blocks against the fp32 model:
+hf_tfm's own q8 (`load_for_inference(quantize="q8")`) and each setting of `scripts/bench.py`'s `DECODE_SETTINGS` (bf16
+weights and every quantization backend) loads that folder and is scored on the held-out blocks against the fp32 model:
 
 - perplexity: exp of the mean next-token loss over every held-out position;
 - greedy agreement: the share of positions whose most likely next token is fp32's.
@@ -29,8 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import transformers
 from bench import DECODE_SETTINGS, load_setting, machine_info
 
-from hf_tfm import TfmConfig, TfmForCausalLM
+from hf_tfm import TfmConfig, TfmForCausalLM, load_for_inference
 from hf_tfm.data import stdlib_files
+from hf_tfm.quantization import NATIVE_SETTINGS
 from hf_tfm.recipes import TrainSettings, pack_texts, pretrain_causal_lm
 from hf_tfm.tokenization import train_bpe_tokenizer
 
@@ -108,6 +109,10 @@ LLAMA_CPP_PYTHON = os.path.join(
 )
 
 
+# hf_tfm's own settings (`load_for_inference(quantize=...)`) and every setting of the bench's decode table
+SETTINGS = {**NATIVE_SETTINGS, **{name: what for name, (_, _, what) in DECODE_SETTINGS.items()}}
+
+
 def score_runtime(setting: str, folder: str, blocks: list[list[int]], fp32: dict, threads: int) -> dict:
     """Perplexity and greedy agreement of `setting`'s export of `folder`, as `score` reports them."""
     import subprocess
@@ -147,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--size", default="small", choices=list(SIZES))
     p.add_argument("--steps", type=int, default=600, help="training steps (batch 16 x --seq-len)")
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--settings", default="all", help=f"comma list of {','.join(DECODE_SETTINGS)}, or all")
+    p.add_argument("--settings", default="all", help=f"comma list of {','.join(SETTINGS)}, or all")
     p.add_argument(
         "--runtimes",
         default=None,
@@ -156,7 +161,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
-    settings = list(DECODE_SETTINGS) if args.settings == "all" else [x for x in args.settings.split(",") if x]
+    settings = list(SETTINGS) if args.settings == "all" else [x for x in args.settings.split(",") if x]
+    if bad := set(settings) - set(SETTINGS):
+        p.error(f"unknown settings {sorted(bad)}")
     runtimes = list(RUNTIME_SETTINGS) if args.runtimes == "all" else [x for x in (args.runtimes or "").split(",") if x]
     if bad := set(runtimes) - set(RUNTIME_SETTINGS):
         p.error(f"unknown runtimes {sorted(bad)}")
@@ -172,9 +179,13 @@ def main(argv: list[str] | None = None) -> dict:
         fp32 = score(TfmForCausalLM.from_pretrained(folder).eval(), blocks, None)
         for setting in settings:
             print(f"[quality] {setting} ...", file=sys.stderr, flush=True)
-            row = {"setting": setting, "what": DECODE_SETTINGS[setting][2]}
+            row = {"setting": setting, "what": SETTINGS[setting]}
             try:
-                result = score(load_setting(TfmForCausalLM, folder, setting), blocks, fp32["argmax"])
+                if setting in NATIVE_SETTINGS:  # scored eagerly: the compiled step computes the same products
+                    model = load_for_inference(folder, quantize=setting, compile=False)
+                else:
+                    model = load_setting(TfmForCausalLM, folder, setting)
+                result = score(model, blocks, fp32["argmax"])
             except Exception as err:  # reported, as the bench reports it
                 row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
             else:

@@ -177,6 +177,7 @@ def test_load_for_inference_compiled_greedy_equals_eager(kind, tmp_path):
     eager.save_pretrained(tmp_path)
     fast = load_for_inference(tmp_path)
     assert fast.generation_config.cache_implementation == "static" and not fast.training
+    assert type(fast.get_output_embeddings()).__name__ == "StreamingLinear"  # a single-token product Inductor streams
     width = max(map(len, PROMPTS))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])

@@ -1,0 +1,167 @@
+"""hf_tfm's own decode kernels (hf_tfm.inference): the streaming single-token product of `StreamingLinear` and the int8
+rows of `quantize="q8"`, against `nn.Linear` and against the float model. Speed lives in scripts/bench.py."""
+
+import logging
+
+import pytest
+import torch
+from export_models import NEW_TOKENS, PROMPTS, trained, trained_seq2seq
+from torch import nn
+from torch._dynamo.utils import counters
+
+from hf_tfm import load_for_inference
+from hf_tfm.inference import Int8StreamingLinear, StreamingLinear, quantize_q8
+
+OPTIONS = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False}
+
+
+def left_padded_prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+    return ids, mask
+
+
+def linear(bias: bool) -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(48, 80, bias=bias)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("tokens", [(1, 1, 48), (1, 48), (3, 1, 48), (2, 5, 48)])
+def test_streaming_linear_computes_the_linear_layer(bias, tokens):
+    """Eager it is nn.Linear bit for bit; compiled, one token takes the streaming product and more tokens the matrix
+    product, each equal to nn.Linear up to float rounding."""
+    reference = linear(bias)
+    streaming = linear(bias)
+    streaming.__class__ = StreamingLinear
+    x = torch.randn(tokens)
+    with torch.no_grad():
+        expected = reference(x)
+        assert torch.equal(streaming(x), expected)
+        compiled = torch.compile(streaming, fullgraph=True)(x)
+    assert compiled.shape == expected.shape
+    torch.testing.assert_close(compiled, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [(1, 1, 48), (8, 1, 48), (4, 9, 48)])
+def test_int8_rows_round_to_nearest_and_compile_to_the_same_product(tokens):
+    """Each weight is within half a step of its row's scale, the row's largest weight exactly representable; eager
+    (dequantized) and compiled (streamed for up to 8 tokens, dequantized past them) agree, and both stay within the
+    quantization error of the float layer."""
+    float_layer = linear(bias=True)
+    q8 = Int8StreamingLinear.from_linear(float_layer)
+    assert q8.weight.dtype == torch.int8 and q8.weight_scale.shape == (80,)
+    dequantized = q8.weight.float() * q8.weight_scale[:, None]
+    step = q8.weight_scale[:, None].expand_as(dequantized)
+    assert ((dequantized - float_layer.weight).abs() <= step / 2 + 1e-7).all()
+    assert (q8.weight.abs().amax(dim=1) == 127).all()
+    x = torch.randn(tokens)
+    with torch.no_grad():
+        eager = q8(x)
+        compiled = torch.compile(q8, fullgraph=True)(x)
+        exact = float_layer(x)
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+    error_bound = (x.abs().sum(-1, keepdim=True) * q8.weight_scale / 2).expand_as(exact)  # sum |x| * step / 2
+    assert ((eager - exact).abs() <= error_bound + 1e-6).all()
+
+
+@pytest.mark.parametrize("kind", ["causal", "seq2seq"])
+def test_q8_compiled_greedy_equals_eager_q8_and_tracks_the_float_model(kind, tmp_path):
+    """`load_for_inference(quantize="q8")`: every linear layer (lm_head too) holds int8 rows; its compiled greedy
+    tokens equal the same weights decoded eagerly (one graph per step). Against the float model, along the float
+    model's greedy sequences: logits within 5% of their spread (measured: 1.7-3.1%), and the same argmax wherever the
+    float model's choice is clear of that error; the causal LM's greedy tokens are the float model's."""
+    model = trained({}) if kind == "causal" else trained_seq2seq({"is_causal": False}, {})
+    model.save_pretrained(tmp_path)
+    fast = load_for_inference(tmp_path, quantize="q8")
+    linears = [m for m in fast.modules() if isinstance(m, (nn.Linear, Int8StreamingLinear))]
+    assert linears and all(type(m) is Int8StreamingLinear for m in linears)
+    assert type(fast.get_output_embeddings()) is Int8StreamingLinear
+    ids, mask = left_padded_prompts()
+    expected = model.generate(ids, attention_mask=mask, **OPTIONS)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = fast.generate(ids, attention_mask=mask, **OPTIONS)
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters)
+    assert torch.equal(compiled, fast.generate(ids, attention_mask=mask, disable_compile=True, **OPTIONS))
+    if kind == "causal":
+        assert torch.equal(compiled, expected)
+        inputs = {"input_ids": expected, "attention_mask": torch.cat([mask, torch.ones(len(mask), NEW_TOKENS)], 1)}
+    else:
+        inputs = {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": expected}
+    with torch.no_grad():
+        reference, quantized = model(**inputs).logits, fast(**inputs).logits
+    error = (quantized - reference).abs().max()
+    assert error <= 0.05 * reference.std()
+    # where the float model's top two logits are more than twice the error apart, no error can swap them
+    top2 = reference.topk(2, dim=-1).values
+    clear = top2[..., 0] - top2[..., 1] > 2 * error
+    assert clear.float().mean() >= 0.5  # most positions (so the check below is not vacuous)
+    assert torch.equal(quantized.argmax(-1)[clear], reference.argmax(-1)[clear])
+
+
+def test_q8_quantizes_a_tied_head_apart_from_the_input_embedding(tmp_path):
+    """A tied `lm_head` gets int8 rows of its own; the input embedding stays float, and re-tying (which transformers
+    does after loading) cannot put the float table back under the int8 scales."""
+    model = trained({"tie_word_embeddings": True})
+    model.save_pretrained(tmp_path)
+    fast = load_for_inference(tmp_path, quantize="q8", compile=False)
+    embedding = fast.get_input_embeddings().weight
+    assert embedding.dtype == torch.float32 and torch.equal(embedding, model.get_input_embeddings().weight)
+    fast.tie_weights()
+    assert fast.lm_head.weight.dtype == torch.int8
+    ids, mask = left_padded_prompts()
+    assert torch.equal(
+        fast.generate(ids, attention_mask=mask, **OPTIONS), model.generate(ids, attention_mask=mask, **OPTIONS)
+    )
+
+
+def test_q8_refuses_to_save_and_warns_when_eager(tmp_path, caplog):
+    """The int8 rows are a decoding format: saving one says how to get it back instead of writing weights that would
+    load as something else; loading it for eager decoding warns that it is slow there."""
+    trained({}).save_pretrained(tmp_path / "float")
+    with caplog.at_level(logging.WARNING, logger="hf_tfm.inference"):
+        fast = load_for_inference(tmp_path / "float", quantize="q8", compile=False)
+    assert "made for the compiled step" in caplog.text
+    with pytest.raises(NotImplementedError, match=r"load_for_inference\(folder, quantize='q8'\)"):
+        fast.save_pretrained(tmp_path / "q8")
+    with pytest.raises(NotImplementedError, match="cannot be saved"):
+        torch.save(fast.state_dict(), tmp_path / "q8.pt")
+
+
+def test_quantize_q8_leaves_a_quantizer_s_layers_alone():
+    """Only plain float `nn.Linear` layers take the int8 rows or the streaming class: a layer whose weight is a tensor
+    subclass (a quantizer's) or another class keeps its own kernel."""
+
+    class Subclass(torch.Tensor):
+        pass
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Conv1d(4, 4, 1))
+    model[1].weight = nn.Parameter(model[1].weight.detach().as_subclass(Subclass))
+    model.config = type("Config", (), {"tie_word_embeddings": True})()
+    quantize_q8(model)
+    assert type(model[0]) is Int8StreamingLinear and type(model[1]) is nn.Linear and type(model[2]) is nn.Conv1d
+    assert model.config.tie_word_embeddings is False
+
+
+def test_unknown_setting_names_every_setting(tmp_path):
+    trained({}).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"unknown quantization setting 'int3': choose one of q8, int8, int4, nf4"):
+        load_for_inference(tmp_path, quantize="int3")
+
+
+def test_cli_generate_q8(tmp_path, capsys):
+    """`hf-tfm generate --quantize q8` decodes compiled (the setting's own step) and prints the prompt's
+    continuation."""
+    from export_models import saved, train_tokenizer
+
+    from hf_tfm.cli import main
+
+    folder = saved({}, tmp_path / "lm", train_tokenizer())
+    argv = ["generate", str(folder), "--prompt", "def ", "--max-new-tokens", "4", "--greedy", "--no-stream"]
+    torch._dynamo.reset()
+    counters.clear()
+    assert main([*argv, "--quantize", "q8"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+    assert counters["stats"]["unique_graphs"] >= 1
