@@ -426,12 +426,15 @@ def test_cli_refuses_an_unavailable_backend_naming_what_to_install(lm_folder, ca
 
 
 def test_docs_fast_inference_blocks(tmp_path, monkeypatch):
-    """The docs' int8 lead, quantized-loading and QLoRA blocks run as written (one namespace, a scratch directory)."""
+    """The docs' int8 lead, quantized-loading, QLoRA, load_for_inference and q8 blocks run as written (one namespace,
+    a scratch directory)."""
     for module in ("bitsandbytes", "torchao", "peft"):
         pytest.importorskip(module, reason="the page's blocks use it (in the dev extra)")
-    namespace = run_doc_blocks("fast-inference", 4, tmp_path, monkeypatch)
+    namespace = run_doc_blocks("fast-inference", 5, tmp_path, monkeypatch)
     assert namespace["tokens"].shape == (1, 12)
     assert torch.equal(namespace["fast_tokens"], namespace["tokens"])  # compiled, the eager tokens
+    assert namespace["q8_tokens"].shape == (1, 12)
+    assert type(namespace["q8_lm"].lm_head).__name__ == "Int8StreamingLinear"
     assert is_quantized(namespace["lm8"].model.layers[0].mlp.up_proj)
     assert namespace["out"].shape == namespace["fast"].shape == (1, 12)
     assert is_quantized(namespace["int4"].model.layers[0].mlp.up_proj)
