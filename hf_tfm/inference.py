@@ -113,7 +113,8 @@ def _plain_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 def quantize_q8(model: PreTrainedModel) -> PreTrainedModel:
     """Replace every plain `nn.Linear` of `model` (the output embedding `lm_head` too, as llama.cpp's Q8_0 does) by an
     `Int8StreamingLinear` in place; returns `model`. A tied `lm_head` gets an int8 copy, the input embedding table
-    stays as it is (a step gathers one row of it)."""
+    stays as it is (a step gathers one row of it), and so do a mixture of experts' experts and router (3-D and router
+    parameters, not `nn.Linear` layers; a shared expert and its gate are linear layers and take int8 rows)."""
     for parent, name, linear in _plain_linears(model):
         setattr(parent, name, Int8StreamingLinear.from_linear(linear))
     model.config.tie_word_embeddings = False  # `lm_head` is no longer the embedding's weight: nothing may re-tie it
