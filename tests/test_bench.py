@@ -109,7 +109,8 @@ def test_bench_decode_settings_tiny(tmp_path):
 
 
 def test_quality_script_tiny(tmp_path):
-    """`scripts/quality.py` trains its LM on the demo's corpus, then scores every setting against fp32."""
+    """`scripts/quality.py` trains its LM on the demo's corpus, then scores every setting against fp32: hf_tfm's own
+    (q8) and every setting of the bench's decode table."""
     quality = load_script(BENCH.parent / "quality.py", "hf_tfm_quality")
     threads = torch.get_num_threads()
     try:
@@ -117,7 +118,8 @@ def test_quality_script_tiny(tmp_path):
     finally:
         torch.set_num_threads(threads)
     rows = {r["setting"]: r for r in out["results"]}
-    assert set(rows) == set(load_bench().DECODE_SETTINGS)
+    assert set(rows) == {"q8", *load_bench().DECODE_SETTINGS}
+    assert "error" not in rows["q8"] and rows["q8"]["greedy_agreement"] > 0.9
     assert rows["fp32"]["perplexity"] == pytest.approx(out["fp32"]["perplexity"])
     assert rows["fp32"]["greedy_agreement"] == 1
     for row in rows.values():
