@@ -29,7 +29,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, CompileConfig, PreTrainedModel
 from transformers.utils import logging
 
-from .quantization import BACKENDS, NATIVE_SETTINGS, quantization_kwargs
+from .quantization import NATIVE_SETTINGS, quantization_kwargs
 
 logger = logging.get_logger(__name__)
 
@@ -160,18 +160,13 @@ def load_for_inference(
     (`compile_generation`). `dtype`: of the weights (with `quantize`, of what stays unquantized; default: the
     setting's or the checkpoint's). Other keyword arguments go to `from_pretrained`.
     """
-    if quantize is not None and quantize not in NATIVE_SETTINGS and quantize not in BACKENDS:
-        raise ValueError(
-            f"unknown quantization setting {quantize!r}: choose one of {', '.join([*NATIVE_SETTINGS, *BACKENDS])}"
-        )
     config = AutoConfig.from_pretrained(path, trust_remote_code=True)
-    native = quantize in NATIVE_SETTINGS
-    loading = quantization_kwargs(quantize, config) if quantize and not native else {}
+    loading = quantization_kwargs(quantize, config) if quantize else {}
     if dtype is not None:
         loading["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
     model = auto.from_pretrained(path, trust_remote_code=True, **loading, **kwargs).eval()
-    if native:
+    if quantize in NATIVE_SETTINGS:
         quantize_q8(model)
         if not compile:
             logger.warning(

@@ -120,12 +120,16 @@ NATIVE_SETTINGS = {
 
 def quantization_kwargs(setting: str, config: "PretrainedConfig") -> dict[str, Any]:
     """`from_pretrained` keyword arguments for a `--quantize` setting ("int8", "int4" or "nf4") of a model with
-    `config`.
+    `config`; none for hf_tfm's own settings (`NATIVE_SETTINGS`), which quantize the loaded model.
 
     Raises `QuantizationUnavailableError` naming the package to install when the setting's backend is missing.
     """
+    if setting in NATIVE_SETTINGS:
+        return {}
     if setting not in BACKENDS:
-        raise ValueError(f"unknown quantization setting {setting!r}: choose one of {', '.join(BACKENDS)}")
+        raise ValueError(
+            f"unknown quantization setting {setting!r}: choose one of {', '.join([*NATIVE_SETTINGS, *BACKENDS])}"
+        )
     return BACKENDS[setting].loading_kwargs(config)
 
 
