@@ -149,3 +149,29 @@ $(LLAMA_STAMP):
 # The llama.cpp runtime tests alone (this target builds their environment first).
 test-llama-cpp: $(STAMP) $(LLAMA_STAMP)
 	$(VENV)/bin/python -m pytest -m llama_cpp tests/test_export_llama_cpp.py $(ARGS)
+
+# llm-compressor (calibrated 4-bit: GPTQ, AWQ) in an environment of its own (.venv-llmcompressor), for
+# hf_tfm.calibration and its tests (tests/test_calibration.py, `-m llmcompressor`; they skip without it, as in CI):
+# its release pins transformers <= 5.17, so the environment has hf_tfm on that release. The checkpoints it writes
+# (compressed-tensors) load in every other environment through transformers' quantizer.
+LLMC_VENV := .venv-llmcompressor
+LLMC_STAMP := $(LLMC_VENV)/.installed
+LLMCOMPRESSOR ?= llmcompressor==0.14.0.1
+LLMC_TRANSFORMERS ?= 5.17.0
+
+.PHONY: llmcompressor-env test-calibration
+
+llmcompressor-env: $(LLMC_STAMP)
+
+$(LLMC_STAMP): pyproject.toml
+	test -x $(LLMC_VENV)/bin/python || $(PYTHON) -m venv $(LLMC_VENV)
+	$(LLMC_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LLMC_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(LLMC_VENV)/bin/python -m pip install -q "$(TORCH)" -e ".[dev]" "$(LLMCOMPRESSOR)" "transformers==$(LLMC_TRANSFORMERS)"
+	$(LLMC_VENV)/bin/python -c "import torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__; \
+		import llmcompressor, transformers; print('llmcompressor', llmcompressor.__version__, 'transformers', transformers.__version__)"
+	touch $(LLMC_STAMP)
+
+# The calibration tests alone (this target builds their environment first).
+test-calibration: $(STAMP) $(LLMC_STAMP)
+	$(VENV)/bin/python -m pytest -m llmcompressor tests/test_calibration.py $(ARGS)

@@ -804,6 +804,21 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from .calibration import calibrate
+    from .recipes import staged_dir
+
+    src = _require_model_dir(args.src)
+    texts = [Path(f).read_text(encoding="utf-8") for f in args.text] if args.text else None
+    try:
+        with staged_dir(args.dst, overwrite=args.overwrite) as stage:
+            calibrate(src, stage, args.method, texts=texts, samples=args.samples, max_length=args.max_length)
+    except (ImportError, ValueError) as err:  # no llm-compressor, or a model it cannot take: one line
+        raise CliError(str(err)) from err
+    print(f"calibrated {args.src} -> {args.dst} ({args.method}, int4 weights, compressed-tensors)")
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from .exporters import export, output_path, verify
 
@@ -911,6 +926,7 @@ DOC_PAGES = {
     "info": "docs/cli.md#subcommands",
     "convert": "docs/convert.md",
     "export": "docs/deployment.md",
+    "calibrate": "docs/fast-inference.md#calibrated-4-bit-gptq-and-awq",
 }
 
 
@@ -1011,6 +1027,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser(
+        "calibrate", help="calibrated int4 weights (GPTQ, AWQ) through llm-compressor, as a compressed-tensors folder"
+    )
+    p.add_argument("src", help="hf_tfm causal LM folder (with its tokenizer)")
+    p.add_argument("dst", help="the quantized folder (transformers and vLLM load it)")
+    p.add_argument(
+        "--method", choices=["gptq", "awq", "rtn"], default="gptq", help="default: gptq; rtn: no calibration"
+    )
+    p.add_argument(
+        "--text", action="append", help="calibration text file (repeatable; default: the Python standard library)"
+    )
+    p.add_argument("--samples", type=int, default=128, help="calibration blocks (default 128)")
+    p.add_argument("--max-length", type=int, default=512, help="tokens per block (default 512)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser(
         "export", help="a model for llama.cpp (GGUF), ONNX Runtime, CTranslate2 or ExecuTorch (hf_tfm.export)"

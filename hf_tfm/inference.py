@@ -59,53 +59,114 @@ class StreamingLinear(nn.Linear):
 
 
 class Int8StreamingLinear(nn.Module):
-    """A linear layer with int8 weights and a float scale per output feature (`weight ≈ weight_int8 * weight_scale`),
-    symmetric round-to-nearest: the bytes of llama.cpp's Q8_0 with one scale per row instead of per 32 weights.
+    """A linear layer with int8 weights and float scales (`weight ≈ weight_int8 * weight_scale`), symmetric: one scale
+    per output feature (`from_linear`, hf_tfm's q8: the bytes of llama.cpp's Q8_0 with one scale per row instead of
+    per 32 weights), or per group of input features (`from_compressed`: a GPTQ / AWQ checkpoint's int4 values, kept
+    one to a byte, which Inductor widens in its loop faster than it unpacks two to a byte).
 
-    Built from a float `nn.Linear` by `from_linear`; decoding only: its state dict cannot be saved (a checkpoint keeps
-    the float weights, and `load_for_inference(..., quantize="q8")` quantizes them while loading)."""
+    Decoding only: its state dict cannot be saved (a checkpoint keeps the float or compressed-tensors weights, and
+    `load_for_inference` converts them while loading)."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.register_buffer("weight", weight)  # (out, in) int8
-        self.register_buffer("weight_scale", scale)  # (out,) in the activations' dtype
+        self.register_buffer("weight_scale", scale)  # (out, groups) in the activations' dtype
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
     @torch.no_grad()
     def from_linear(cls, linear: nn.Linear) -> "Int8StreamingLinear":
         weight = linear.weight.float()
-        scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
-        quantized = torch.round(weight / scale[:, None]).to(torch.int8)
+        scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127
+        quantized = torch.round(weight / scale).to(torch.int8)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(quantized, scale.to(linear.weight.dtype), bias)
 
+    @classmethod
+    @torch.no_grad()
+    def from_compressed(cls, linear: nn.Linear) -> "Int8StreamingLinear":
+        """From a compressed-tensors layer once decompressed: its float weights are its integers times its scales,
+        exactly, so dividing them back gives the integers."""
+        scale = linear.weight_scale.detach()  # (out, groups)
+        units = scale.repeat_interleave(linear.in_features // scale.shape[1], dim=1)
+        quantized = torch.round(linear.weight.float() / units.float()).to(torch.int8)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(quantized, scale.to(linear.weight.dtype).clone(), bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _streams(x, STREAMING_TOKENS["int8"]):
-            y = (x.unsqueeze(-2) * self.weight).sum(-1)  # int8 widened inside Inductor's loop: 1 byte per weight
+        scale = self.weight_scale.to(x.dtype)
+        groups = scale.shape[1]
+        if _streams(x, STREAMING_TOKENS["int8"]):  # int8 widened inside Inductor's loop: 1 byte per weight
+            if groups == 1:
+                y = (x.unsqueeze(-2) * self.weight).sum(-1) * scale[:, 0]  # (..., 1, in) * (out, in) -> (..., out)
+            else:  # (..., 1, G, in / G) * (out, G, in / G): a sum per group, scaled, then over the groups
+                products = x.unflatten(-1, (groups, -1)).unsqueeze(-3) * self.weight.unflatten(-1, (groups, -1))
+                y = (products.sum(-1) * scale).sum(-1)
         else:
-            y = F.linear(x, self.weight.to(x.dtype))
-        y = y * self.weight_scale.to(y.dtype)
+            y = F.linear(x, (self.weight.unflatten(-1, (groups, -1)) * scale[..., None]).flatten(-2))
         return y if self.bias is None else y + self.bias
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:  # torch.save, save_pretrained, PEFT
         raise NotImplementedError(
-            "hf_tfm's q8 weights are for decoding only and cannot be saved: save the float model, and load it with "
-            "hf_tfm.load_for_inference(folder, quantize='q8') (quantized while loading, in seconds)"
+            "hf_tfm's int8 streaming weights are for decoding only and cannot be saved: save the float model, and "
+            "load it with hf_tfm.load_for_inference(folder, quantize='q8') (quantized while loading, in seconds)"
         )
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        groups = self.weight_scale.shape[1]
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " + (
+            f"groups={groups}" if groups > 1 else "scale per row"
+        )
+
+
+def _compressed_int_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, name, module) of every compressed-tensors layer with symmetric integer weights of up to 8 bits, a
+    scale per row or per contiguous group, and float activations: what GPTQ / AWQ / round-to-nearest W4A16 and W8A16
+    checkpoints hold (`hf_tfm.calibration`). Asymmetric weights (a zero point) and activation-ordered groups
+    (`weight_g_idx`) keep compressed-tensors' own layers."""
+    found = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            scheme = getattr(child, "quantization_scheme", None)
+            weights = scheme.weights if scheme is not None else None
+            if (
+                isinstance(child, nn.Linear)
+                and weights is not None
+                and scheme.input_activations is None
+                and (weights.type, weights.symmetric, weights.strategy)
+                in {("int", True, "group"), ("int", True, "channel")}
+                and weights.num_bits <= 8
+                and not hasattr(child, "weight_g_idx")
+            ):
+                found.append((parent, name, child))
+    return found
+
+
+def stream_compressed(model: PreTrainedModel) -> PreTrainedModel:
+    """Replace the compressed-tensors integer layers of `model` (`_compressed_int_linears`) by `Int8StreamingLinear`
+    layers with the same integers and scales, in place; returns `model`. compressed-tensors decompresses its layers to
+    float weights for its own forward, which reads 4 bytes a weight: this reads one."""
+    layers = _compressed_int_linears(model)
+    if layers and any(getattr(linear, "weight", None) is None for _, _, linear in layers):
+        # compressed-tensors unpacks the weights on the model's first forward: one token does it
+        one = torch.tensor([[model.config.bos_token_id or 0]], device=model.device)
+        extra = {"decoder_input_ids": one} if model.config.is_encoder_decoder else {}
+        with torch.no_grad():
+            model(input_ids=one, **extra)
+    for parent, name, linear in layers:
+        setattr(parent, name, Int8StreamingLinear.from_compressed(linear))
+    return model
 
 
 def _plain_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, name, module) of every `nn.Linear` whose weight is an ordinary tensor: a quantizer's layers (their own
-    classes, or tensor subclasses such as torchao's) keep their own kernels."""
+    classes, tensor subclasses such as torchao's, or compressed-tensors' scheme) keep their own kernels."""
     found = []
     for parent in model.modules():
         for name, child in parent.named_children():
-            if type(child) in (nn.Linear, StreamingLinear) and type(child.weight.data) is torch.Tensor:
+            plain = type(child) in (nn.Linear, StreamingLinear) and not hasattr(child, "quantization_scheme")
+            if plain and type(child.weight.data) is torch.Tensor:
                 found.append((parent, name, child))
     return found
 
@@ -157,8 +218,10 @@ def load_for_inference(
     `quantize`: "q8" (hf_tfm's own int8, `quantize_q8`; the fastest compiled setting here), "int8", "int4" or
     "nf4" (`hf_tfm.quantization.BACKENDS`: transformers' torchao or bitsandbytes integration, which needs that
     package), or None for the checkpoint's weights. `compile`: decode with a static cache and a compiled step
-    (`compile_generation`). `dtype`: of the weights (with `quantize`, of what stays unquantized; default: the
-    setting's or the checkpoint's). Other keyword arguments go to `from_pretrained`.
+    (`compile_generation`); a compressed-tensors checkpoint's int4 / int8 weights (GPTQ, AWQ: `hf_tfm.calibration`)
+    then stream as `Int8StreamingLinear` layers (`stream_compressed`). `dtype`: of the weights (with `quantize`, of
+    what stays unquantized; default: the setting's or the checkpoint's). Other keyword arguments go to
+    `from_pretrained`.
     """
     config = AutoConfig.from_pretrained(path, trust_remote_code=True)
     loading = quantization_kwargs(quantize, config) if quantize else {}
@@ -174,7 +237,9 @@ def load_for_inference(
                 "step, slower than float32 (pass compile=True)",
                 quantize,
             )
-    return compile_generation(model) if compile else model
+    if not compile:
+        return model
+    return compile_generation(stream_compressed(model))
 
 
 __all__ = [
@@ -183,4 +248,5 @@ __all__ = [
     "compile_generation",
     "load_for_inference",
     "quantize_q8",
+    "stream_compressed",
 ]

@@ -72,22 +72,30 @@ def _linear_input_sizes(config: "PretrainedConfig") -> set[int]:
     return sizes
 
 
-def _int4(config: "PretrainedConfig") -> "QuantizationConfigMixin":
-    # torchao's CPU int4 layout (a prototype in 0.18): its `_weight_int4pack_mm_for_cpu` GEMV read 4.3x fewer bytes
-    # and ran 4x faster than fp32 here with bf16 activations (50x slower with fp32 ones, hence bf16 around it).
-    # Groups of 128 input features share a scale and zero point; smaller groups where a layer's width needs them
-    # (torchao would silently leave such a layer unquantized).
-    from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
-    from transformers import TorchAoConfig
-
+def int4_group_size(
+    config: "PretrainedConfig", what: str = "--quantize int4", instead: str = "use nf4 or int8"
+) -> int:
+    """The input features that share an int4 scale in `config`'s linear layers: 128, or 64 or 32 where a layer's
+    width needs them (a quantizer would leave such a layer unquantized, or fail). The ValueError of a model whose
+    widths none of them divides names the caller (`what`) and what to do `instead`."""
     sizes = _linear_input_sizes(config)
     group_size = next((g for g in (128, 64, 32) if all(size % g == 0 for size in sizes)), None)
     if group_size is None:
         raise ValueError(
-            f"--quantize int4 groups input features by 32, 64 or 128, but this model's linear layers take "
-            f"{sorted(sizes)} (hidden_size, intermediate_size, heads x head_dim): use nf4 or int8"
+            f"{what} groups input features by 32, 64 or 128, but this model's linear layers take "
+            f"{sorted(sizes)} (hidden_size, intermediate_size, heads x head_dim): {instead}"
         )
-    return TorchAoConfig(PrototypeInt4WeightOnlyConfig(group_size=group_size))
+    return group_size
+
+
+def _int4(config: "PretrainedConfig") -> "QuantizationConfigMixin":
+    # torchao's CPU int4 layout (a prototype in 0.18): its `_weight_int4pack_mm_for_cpu` GEMV read 4.3x fewer bytes
+    # and ran 4x faster than fp32 here with bf16 activations (50x slower with fp32 ones, hence bf16 around it).
+    # Groups of 128 input features share a scale and zero point (smaller where a layer's width needs them).
+    from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    return TorchAoConfig(PrototypeInt4WeightOnlyConfig(group_size=int4_group_size(config)))
 
 
 def _nf4(config: "PretrainedConfig") -> "QuantizationConfigMixin":
@@ -133,4 +141,11 @@ def quantization_kwargs(setting: str, config: "PretrainedConfig") -> dict[str, A
     return BACKENDS[setting].loading_kwargs(config)
 
 
-__all__ = ["BACKENDS", "NATIVE_SETTINGS", "QuantizationBackend", "QuantizationUnavailableError", "quantization_kwargs"]
+__all__ = [
+    "BACKENDS",
+    "NATIVE_SETTINGS",
+    "QuantizationBackend",
+    "QuantizationUnavailableError",
+    "int4_group_size",
+    "quantization_kwargs",
+]

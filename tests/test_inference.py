@@ -51,9 +51,9 @@ def test_int8_rows_round_to_nearest_and_compile_to_the_same_product(tokens):
     quantization error of the float layer."""
     float_layer = linear(bias=True)
     q8 = Int8StreamingLinear.from_linear(float_layer)
-    assert q8.weight.dtype == torch.int8 and q8.weight_scale.shape == (80,)
-    dequantized = q8.weight.float() * q8.weight_scale[:, None]
-    step = q8.weight_scale[:, None].expand_as(dequantized)
+    assert q8.weight.dtype == torch.int8 and q8.weight_scale.shape == (80, 1)
+    dequantized = q8.weight.float() * q8.weight_scale
+    step = q8.weight_scale.expand_as(dequantized)
     assert ((dequantized - float_layer.weight).abs() <= step / 2 + 1e-7).all()
     assert (q8.weight.abs().amax(dim=1) == 127).all()
     x = torch.randn(tokens)
@@ -62,8 +62,30 @@ def test_int8_rows_round_to_nearest_and_compile_to_the_same_product(tokens):
         compiled = torch.compile(q8, fullgraph=True)(x)
         exact = float_layer(x)
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
-    error_bound = (x.abs().sum(-1, keepdim=True) * q8.weight_scale / 2).expand_as(exact)  # sum |x| * step / 2
+    error_bound = (x.abs().sum(-1, keepdim=True) * q8.weight_scale[:, 0] / 2).expand_as(exact)  # sum |x| * step / 2
     assert ((eager - exact).abs() <= error_bound + 1e-6).all()
+
+
+@pytest.mark.parametrize("tokens", [(1, 1, 64), (2, 3, 64)])
+def test_int4_groups_from_a_compressed_layer_stream_the_same_product(tokens):
+    """A compressed-tensors layer once decompressed (float weights = int4 values x the scale of their group of 32
+    input features, as GPTQ / AWQ checkpoints hold them): `from_compressed` recovers the integers exactly, and eager
+    and compiled products (streamed per group for up to 8 tokens) equal the float layer's."""
+    torch.manual_seed(0)
+    integers = torch.randint(-8, 8, (40, 64)).float()
+    scale = torch.rand(40, 2) * 0.1 + 0.01  # (out, groups)
+    layer = nn.Linear(64, 40)
+    with torch.no_grad():
+        layer.weight.copy_(integers * scale.repeat_interleave(32, dim=1))
+    layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+    streamed = Int8StreamingLinear.from_compressed(layer)
+    assert torch.equal(streamed.weight, integers.to(torch.int8)) and torch.equal(streamed.weight_scale, scale)
+    assert "groups=2" in repr(streamed)
+    x = torch.randn(tokens)
+    with torch.no_grad():
+        exact = layer(x)
+        torch.testing.assert_close(streamed(x), exact, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.compile(streamed, fullgraph=True)(x), exact, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["causal", "seq2seq"])
