@@ -41,6 +41,7 @@ SCHEME = "W4A16"  # int4 weights, symmetric, groups of input features; activatio
 # Kept in the model's dtype: the output embedding (as llm-compressor's examples and vLLM's checkpoints keep it) and a
 # shared expert's one-row gate (a router, which stays float as the experts' router does).
 IGNORE = ["lm_head", "re:.*shared_expert_gate$"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def llmcompressor_python() -> str | None:
@@ -121,6 +122,8 @@ def calibrate(
     if samples < 1 or max_length < 2:
         raise ValueError(f"calibrate needs samples >= 1 and max_length >= 2, got {samples} and {max_length}")
     _check(AutoConfig.from_pretrained(path, trust_remote_code=True))
+    if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{path} has no tokenizer: calibrate tokenizes its calibration text with the folder's own")
     job = {
         "path": str(path),
         "output_dir": str(output_dir),

@@ -1258,12 +1258,22 @@ def decode_markdown(rows: list[dict], bandwidth: dict, batches: tuple[int, int])
 # Runtimes (`--runtimes`): the same weights in hf_tfm and exported to ONNX Runtime and CTranslate2, each decoding in a
 # process of its own (scripts/bench_runtime_worker.py), one after another
 
+# A GPTQ / AWQ checkpoint's format (compressed-tensors W4A16), written by `hf_tfm.calibration` in llm-compressor's
+# environment as round-to-nearest: the same bytes and kernels as the calibrated ones, without the calibration's time.
+CALIBRATED = "w4a16"
+LLMCOMPRESSOR_PYTHON = Path(__file__).resolve().parents[1] / ".venv-llmcompressor" / "bin" / "python"
+
 RUNTIME_SETTINGS = {
     # name: (format, quantize, what)
     "hf_tfm fp32": ("hf_tfm", None, "hf_tfm generate(), float32, eager"),
     "hf_tfm fp32 compiled": ("hf_tfm+compile", None, "hf_tfm load_for_inference(): static cache, compiled step"),
     "hf_tfm int4 compiled": ("hf_tfm+compile", "int4", "load_for_inference(quantize='int4'): torchao CPU int4, bf16"),
     "hf_tfm q8 compiled": ("hf_tfm+compile", "q8", "load_for_inference(quantize='q8'): hf_tfm int8 rows, streamed"),
+    "hf_tfm w4a16 compiled": (
+        "hf_tfm+compile",
+        CALIBRATED,
+        "load_for_inference() of a GPTQ / AWQ checkpoint: int4 values in groups of 128, one byte each, streamed",
+    ),
     "onnx float32": ("onnx", None, "ONNX Runtime 1.32, float32 graphs"),
     "onnx int8": ("onnx", "int8", "ONNX Runtime, int8 MatMul weights per channel"),
     "onnx int4": ("onnx", "int4", "ONNX Runtime, int4 MatMulNBits, blocks of 32"),
@@ -1339,6 +1349,21 @@ def runtimes(size: str, args, bandwidth: dict) -> list[dict]:
                 if not fmt.startswith("hf_tfm"):
                     out = os.path.join(tmp, name.replace(" ", "-") + (".gguf" if fmt == "gguf" else ""))
                     path = str(export(folder, out, format=fmt, quantize=quantize))
+                elif quantize == CALIBRATED:  # a checkpoint of its own; its layers as the compiled step streams them
+                    from hf_tfm import load_for_inference
+                    from hf_tfm.calibration import calibrate
+                    from hf_tfm.inference import stream_compressed
+
+                    out = os.path.join(tmp, CALIBRATED)
+                    path = str(
+                        calibrate(
+                            folder,
+                            out,
+                            "rtn",
+                            python=os.environ.get("HF_TFM_LLMCOMPRESSOR_PYTHON") or str(LLMCOMPRESSOR_PYTHON),
+                        )
+                    )
+                    weights = stream_compressed(load_for_inference(path, compile=False))
                 elif quantize:  # the weights as that setting loads them, to count their bytes
                     from hf_tfm import load_for_inference
 
@@ -1347,7 +1372,8 @@ def runtimes(size: str, args, bandwidth: dict) -> list[dict]:
                 for batch in shp["decode_batches"]:
                     seed = torch.Generator().manual_seed(0)
                     prompts = torch.randint(3, vocab, (batch, shp["prompt"]), generator=seed)
-                    t = _time_in_process(fmt, path, prompts.tolist(), shp["new"], args.rounds, args.threads, quantize)
+                    setting = None if quantize == CALIBRATED else quantize  # the checkpoint holds its weights
+                    t = _time_in_process(fmt, path, prompts.tolist(), shp["new"], args.rounds, args.threads, setting)
                     row[f"b{batch}_step_s"] = step = t["step"]
                     row[f"b{batch}_bandwidth_frac"] = row["weight_bytes_per_step"] / step / bandwidth["bytes_per_s"]
             except Exception as err:  # a runtime that does not run here is reported, with its error

@@ -3,8 +3,10 @@
 
 A small hf_tfm causal LM is trained briefly on the demo's corpus (the Python standard library's own source, split by
 file; every 20th file is held out) with a byte-level BPE tokenizer trained on the training files, then saved in fp32.
-hf_tfm's own q8 (`load_for_inference(quantize="q8")`) and each setting of `scripts/bench.py`'s `DECODE_SETTINGS` (bf16
-weights and every quantization backend) loads that folder and is scored on the held-out blocks against the fp32 model:
+hf_tfm's own q8 (`load_for_inference(quantize="q8")`), each setting of `scripts/bench.py`'s `DECODE_SETTINGS` (bf16
+weights and every quantization backend) and the calibrated int4 checkpoints (`hf_tfm.calibration`: GPTQ and AWQ on 128
+training blocks, and round-to-nearest in the same format, written in .venv-llmcompressor) load that folder and are
+scored on the held-out blocks against the fp32 model:
 
 - perplexity: exp of the mean next-token loss over every held-out position;
 - greedy agreement: the share of positions whose most likely next token is fp32's.
@@ -30,6 +32,7 @@ import transformers
 from bench import DECODE_SETTINGS, load_setting, machine_info
 
 from hf_tfm import TfmConfig, TfmForCausalLM, load_for_inference
+from hf_tfm.calibration import METHODS, calibrate
 from hf_tfm.data import stdlib_files
 from hf_tfm.quantization import NATIVE_SETTINGS
 from hf_tfm.recipes import TrainSettings, pack_texts, pretrain_causal_lm
@@ -109,8 +112,29 @@ LLAMA_CPP_PYTHON = os.path.join(
 )
 
 
-# hf_tfm's own settings (`load_for_inference(quantize=...)`) and every setting of the bench's decode table
-SETTINGS = {**NATIVE_SETTINGS, **{name: what for name, (_, _, what) in DECODE_SETTINGS.items()}}
+# hf_tfm's own settings (`load_for_inference(quantize=...)`), every setting of the bench's decode table, and the
+# calibrated int4 checkpoints of `hf_tfm.calibration` (GPTQ, AWQ, and round-to-nearest in the same format)
+SETTINGS = {
+    **NATIVE_SETTINGS,
+    **{name: what for name, (_, _, what) in DECODE_SETTINGS.items()},
+    **{f"{method}_int4": what for method, what in METHODS.items()},
+}
+# llm-compressor's environment (`make llmcompressor-env`), which writes the calibrated checkpoints
+LLMCOMPRESSOR_PYTHON = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-llmcompressor/bin/python"
+)
+
+
+def load_calibrated(folder: str, method: str, seq_len: int, size: str) -> torch.nn.Module:
+    """`folder` calibrated with `method` on 128 blocks of the training text, loaded through transformers'
+    compressed-tensors quantizer (the weights it decompresses are the checkpoint's int4 values times their scales)."""
+    from transformers import AutoModelForCausalLM
+
+    python = os.environ.get("HF_TFM_LLMCOMPRESSOR_PYTHON") or LLMCOMPRESSOR_PYTHON
+    train_texts, _ = corpus(SIZES[size]["corpus_chars"])
+    out = os.path.join(folder, f"calibrated-{method}")
+    calibrate(folder, out, method, texts=train_texts, samples=128, max_length=seq_len, python=python)
+    return AutoModelForCausalLM.from_pretrained(out).eval()
 
 
 def score_runtime(setting: str, folder: str, blocks: list[list[int]], fp32: dict, threads: int) -> dict:
@@ -183,6 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
             try:
                 if setting in NATIVE_SETTINGS:  # scored eagerly: the compiled step computes the same products
                     model = load_for_inference(folder, quantize=setting, compile=False)
+                elif setting.removesuffix("_int4") in METHODS:
+                    model = load_calibrated(folder, setting.removesuffix("_int4"), args.seq_len, args.size)
                 else:
                     model = load_setting(TfmForCausalLM, folder, setting)
                 result = score(model, blocks, fp32["argmax"])

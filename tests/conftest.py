@@ -77,15 +77,21 @@ def doc_blocks(page: str, language: str = "python") -> list[str]:
     return re.findall(rf"^```{language}\n(.*?)^```", doc_page(page).read_text(), flags=re.DOTALL | re.MULTILINE)
 
 
-def run_doc_blocks(page: str, count: int, directory: Path, monkeypatch) -> dict:
-    """Run a page's `count` Python blocks as written, in one namespace, from a scratch `directory`."""
+def run_doc_blocks(page: str, count: int, directory: Path, monkeypatch, first: int | None = None) -> dict:
+    """Run a page's `count` Python blocks as written, in one namespace, from a scratch `directory` (only the `first`
+    ones when given: the caller runs the rest with `run_doc_block`, where their environment exists)."""
     blocks = doc_blocks(page)
     assert len(blocks) == count, f"{page}: {len(blocks)} Python blocks, the test expects {count}"
     monkeypatch.chdir(directory)
     namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, str(doc_page(page)), "exec"), namespace)
+    for index in range(count if first is None else first):
+        run_doc_block(page, index, namespace)
     return namespace
+
+
+def run_doc_block(page: str, index: int, namespace: dict) -> None:
+    """Run a page's Python block number `index` (from 0) in `namespace`."""
+    exec(compile(doc_blocks(page)[index], str(doc_page(page)), "exec"), namespace)
 
 
 # Tiny sizes: every test model has about 60k parameters and runs in milliseconds on one CPU thread.

@@ -5,6 +5,7 @@ Performance is never asserted here: the numbers are measured by `scripts/bench.p
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -110,7 +111,8 @@ def test_bench_decode_settings_tiny(tmp_path):
 
 def test_quality_script_tiny(tmp_path):
     """`scripts/quality.py` trains its LM on the demo's corpus, then scores every setting against fp32: hf_tfm's own
-    (q8) and every setting of the bench's decode table."""
+    (q8), every setting of the bench's decode table, and the calibrated int4 checkpoints (where llm-compressor's
+    environment is made, as in CI)."""
     quality = load_script(BENCH.parent / "quality.py", "hf_tfm_quality")
     threads = torch.get_num_threads()
     try:
@@ -118,8 +120,10 @@ def test_quality_script_tiny(tmp_path):
     finally:
         torch.set_num_threads(threads)
     rows = {r["setting"]: r for r in out["results"]}
-    assert set(rows) == {"q8", *load_bench().DECODE_SETTINGS}
+    assert set(rows) == {"q8", *load_bench().DECODE_SETTINGS, "gptq_int4", "awq_int4", "rtn_int4"}
     assert "error" not in rows["q8"] and rows["q8"]["greedy_agreement"] > 0.9
+    if os.path.exists(quality.LLMCOMPRESSOR_PYTHON):
+        assert all("error" not in rows[f"{method}_int4"] for method in ("gptq", "awq", "rtn")), rows
     assert rows["fp32"]["perplexity"] == pytest.approx(out["fp32"]["perplexity"])
     assert rows["fp32"]["greedy_agreement"] == 1
     for row in rows.values():
@@ -195,3 +199,23 @@ def test_bench_runtimes_tiny(tmp_path):
     assert rows["hf_tfm int4 compiled"]["weight_bytes_per_step"] < rows["hf_tfm fp32"]["weight_bytes_per_step"]
     assert "| tiny | onnx int8 |" in out["markdown"]
     assert_charts([charts / "runtimes.png"])
+
+
+def test_bench_runtimes_w4a16_tiny(tmp_path):
+    """`--runtimes hf_tfm_w4a16_compiled`: a GPTQ / AWQ-format checkpoint (written in llm-compressor's environment)
+    decoded by the compiled step, its int4 values one byte each: a quarter of fp32's bytes in the linear layers."""
+    bench = load_bench()
+    if not bench.LLMCOMPRESSOR_PYTHON.exists():
+        pytest.skip("needs llm-compressor's environment: make llmcompressor-env")
+    threads = torch.get_num_threads()
+    argv = ["--size", "tiny", "--runtimes", "hf_tfm_q8_compiled,hf_tfm_w4a16_compiled", "--rounds", "1"]
+    try:
+        out = bench.main([*argv, "--threads", "1", "--json", str(tmp_path / "w4a16.json")])
+    finally:
+        torch.set_num_threads(threads)
+    rows = {r["setting"]: r for r in out["runtimes"]}
+    assert "error" not in rows["hf_tfm w4a16 compiled"], rows["hf_tfm w4a16 compiled"]
+    assert rows["hf_tfm w4a16 compiled"]["b1_step_s"] > 0
+    # int8 storage with a scale per group of 128 instead of per row; lm_head stays float where q8 makes it int8
+    assert rows["hf_tfm q8 compiled"]["weight_bytes_per_step"] < rows["hf_tfm w4a16 compiled"]["weight_bytes_per_step"]
+    assert rows["hf_tfm w4a16 compiled"]["weight_bytes_per_step"] < rows["hf_tfm fp32"]["weight_bytes_per_step"]

@@ -110,6 +110,9 @@ def test_calibrate_refuses_what_it_cannot_quantize(tmp_path, monkeypatch):
         calibrate(causal, tmp_path / "out", method="int3")
     with pytest.raises(ValueError, match="samples >= 1"):
         calibrate(causal, tmp_path / "out", samples=0)
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        calibrate(causal, tmp_path / "out")
+    train_bpe_tokenizer(["def f(x):\n    return x\n"] * 20, vocab_size=280).save_pretrained(causal)
     seq2seq = tmp_path / "seq2seq"
     TfmForConditionalGeneration(tiny_seq2seq_config()).save_pretrained(seq2seq)
     with pytest.raises(ValueError, match=r"hf_tfm causal LM .* not a 'hf_tfm_seq2seq' model"):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from conftest import random_ids, run_doc_blocks, run_without_hf_tfm
+from conftest import ROOT, random_ids, run_doc_block, run_doc_blocks, run_without_hf_tfm
 from torch import nn
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
@@ -427,10 +427,10 @@ def test_cli_refuses_an_unavailable_backend_naming_what_to_install(lm_folder, ca
 
 def test_docs_fast_inference_blocks(tmp_path, monkeypatch):
     """The docs' int8 lead, quantized-loading, QLoRA, load_for_inference and q8 blocks run as written (one namespace,
-    a scratch directory)."""
+    a scratch directory); then the GPTQ block, where llm-compressor's environment is made (as in CI)."""
     for module in ("bitsandbytes", "torchao", "peft"):
         pytest.importorskip(module, reason="the page's blocks use it (in the dev extra)")
-    namespace = run_doc_blocks("fast-inference", 5, tmp_path, monkeypatch)
+    namespace = run_doc_blocks("fast-inference", 6, tmp_path, monkeypatch, first=5)
     assert namespace["tokens"].shape == (1, 12)
     assert torch.equal(namespace["fast_tokens"], namespace["tokens"])  # compiled, the eager tokens
     assert namespace["q8_tokens"].shape == (1, 12)
@@ -444,3 +444,10 @@ def test_docs_fast_inference_blocks(tmp_path, monkeypatch):
     assert losses[-1] < losses[0], losses
     assert (tmp_path / "out" / "qlora" / "adapter" / "adapter_config.json").is_file()
     assert type(namespace["full"].base_model.model).__name__ == "TfmForCausalLM"
+    llmcompressor = ROOT / ".venv-llmcompressor" / "bin" / "python"
+    if not llmcompressor.exists():
+        pytest.skip("the GPTQ block needs llm-compressor's environment: make llmcompressor-env")
+    monkeypatch.setenv("HF_TFM_LLMCOMPRESSOR_PYTHON", str(llmcompressor))
+    run_doc_block("fast-inference", 5, namespace)
+    assert namespace["gptq_tokens"].shape == (1, 12)
+    assert type(namespace["gptq_fast"].model.layers[0].mlp.up_proj).__name__ == "Int8StreamingLinear"
