@@ -95,16 +95,11 @@ class Int8StreamingLinear(nn.Module):
         return cls(quantized, scale.to(linear.weight.dtype).clone(), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self.weight_scale.to(x.dtype)
-        groups = scale.shape[1]
-        if _streams(x, STREAMING_TOKENS["int8"]):  # int8 widened inside Inductor's loop: 1 byte per weight
-            if groups == 1:
-                y = (x.unsqueeze(-2) * self.weight).sum(-1) * scale[:, 0]  # (..., 1, in) * (out, in) -> (..., out)
-            else:  # (..., 1, G, in / G) * (out, G, in / G): a sum per group, scaled, then over the groups
-                products = x.unflatten(-1, (groups, -1)).unsqueeze(-3) * self.weight.unflatten(-1, (groups, -1))
-                y = (products.sum(-1) * scale).sum(-1)
-        else:
-            y = F.linear(x, (self.weight.unflatten(-1, (groups, -1)) * scale[..., None]).flatten(-2))
+        scale = self.weight_scale.to(x.dtype)  # (out, groups): each weight times its row's or its group's scale
+        weight = (self.weight.unflatten(-1, (scale.shape[1], -1)) * scale[..., None]).flatten(-2)  # (out, in)
+        # Streamed, Inductor fuses the scaling into its loop and reads 1 byte a weight; else a dequantized product
+        streams = _streams(x, STREAMING_TOKENS["int8"])
+        y = (x.unsqueeze(-2) * weight).sum(-1) if streams else F.linear(x, weight)  # (..., 1, in) * (out, in)
         return y if self.bias is None else y + self.bias
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:  # torch.save, save_pretrained, PEFT
