@@ -25,7 +25,7 @@ def _llm(request: dict, **kwargs):
         model=request["model"],
         model_impl="transformers",
         trust_remote_code=True,
-        dtype="float32",
+        dtype=request.get("dtype", "float32"),  # bfloat16 for int4 checkpoints: vLLM has no fp32 CPU int4 kernel
         enforce_eager=True,
         max_model_len=request["max_model_len"],
         seed=0,
