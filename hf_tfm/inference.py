@@ -155,7 +155,7 @@ def stream_compressed(model: PreTrainedModel) -> PreTrainedModel:
         from compressed_tensors.offload import remove_dispatch
 
         # Decompressing wrapped every module's forward in one that moves its inputs to its weights' device, a graph
-        # break each (31 ms a step on the bench's base shape instead of 6): on one device there is nothing to move.
+        # break each (31 ms a step on the bench's base shape instead of 10): on one device there is nothing to move.
         remove_dispatch(model, onload_tensors=True)
     return model
 
