@@ -29,6 +29,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from .calibration import METHODS as CALIBRATION_METHODS
 from .quantization import BACKENDS as QUANTIZATION_BACKENDS
 from .quantization import NATIVE_SETTINGS as NATIVE_QUANTIZATION
 
@@ -1034,7 +1035,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="hf_tfm causal LM folder (with its tokenizer)")
     p.add_argument("dst", help="the quantized folder (transformers and vLLM load it)")
     p.add_argument(
-        "--method", choices=["gptq", "awq", "rtn"], default="gptq", help="default: gptq; rtn: no calibration"
+        "--method", choices=list(CALIBRATION_METHODS), default="gptq", help="default: gptq; rtn: no calibration"
     )
     p.add_argument(
         "--text", action="append", help="calibration text file (repeatable; default: the Python standard library)"

@@ -1263,6 +1263,13 @@ def decode_markdown(rows: list[dict], bandwidth: dict, batches: tuple[int, int])
 CALIBRATED = "w4a16"
 LLMCOMPRESSOR_PYTHON = Path(__file__).resolve().parents[1] / ".venv-llmcompressor" / "bin" / "python"
 
+
+def calibration_python() -> str:
+    """The Python that runs llm-compressor for the scripts: $HF_TFM_LLMCOMPRESSOR_PYTHON, else `make
+    llmcompressor-env`'s."""
+    return os.environ.get("HF_TFM_LLMCOMPRESSOR_PYTHON") or str(LLMCOMPRESSOR_PYTHON)
+
+
 RUNTIME_SETTINGS = {
     # name: (format, quantize, what)
     "hf_tfm fp32": ("hf_tfm", None, "hf_tfm generate(), float32, eager"),
@@ -1355,14 +1362,7 @@ def runtimes(size: str, args, bandwidth: dict) -> list[dict]:
                     from hf_tfm.inference import stream_compressed
 
                     out = os.path.join(tmp, CALIBRATED)
-                    path = str(
-                        calibrate(
-                            folder,
-                            out,
-                            "rtn",
-                            python=os.environ.get("HF_TFM_LLMCOMPRESSOR_PYTHON") or str(LLMCOMPRESSOR_PYTHON),
-                        )
-                    )
+                    path = str(calibrate(folder, out, "rtn", python=calibration_python()))
                     weights = stream_compressed(load_for_inference(path, compile=False))
                 elif quantize:  # the weights as that setting loads them, to count their bytes
                     from hf_tfm import load_for_inference

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import transformers
-from bench import DECODE_SETTINGS, load_setting, machine_info
+from bench import DECODE_SETTINGS, calibration_python, load_setting, machine_info
 
 from hf_tfm import TfmConfig, TfmForCausalLM, load_for_inference
 from hf_tfm.calibration import METHODS, calibrate
@@ -119,10 +119,6 @@ SETTINGS = {
     **{name: what for name, (_, _, what) in DECODE_SETTINGS.items()},
     **{f"{method}_int4": what for method, what in METHODS.items()},
 }
-# llm-compressor's environment (`make llmcompressor-env`), which writes the calibrated checkpoints
-LLMCOMPRESSOR_PYTHON = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-llmcompressor/bin/python"
-)
 
 
 def load_calibrated(folder: str, method: str, seq_len: int, size: str) -> torch.nn.Module:
@@ -130,10 +126,9 @@ def load_calibrated(folder: str, method: str, seq_len: int, size: str) -> torch.
     compressed-tensors quantizer (the weights it decompresses are the checkpoint's int4 values times their scales)."""
     from transformers import AutoModelForCausalLM
 
-    python = os.environ.get("HF_TFM_LLMCOMPRESSOR_PYTHON") or LLMCOMPRESSOR_PYTHON
     train_texts, _ = corpus(SIZES[size]["corpus_chars"])
     out = os.path.join(folder, f"calibrated-{method}")
-    calibrate(folder, out, method, texts=train_texts, samples=128, max_length=seq_len, python=python)
+    calibrate(folder, out, method, texts=train_texts, samples=128, max_length=seq_len, python=calibration_python())
     return AutoModelForCausalLM.from_pretrained(out).eval()
 
 

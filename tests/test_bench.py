@@ -5,7 +5,6 @@ Performance is never asserted here: the numbers are measured by `scripts/bench.p
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -122,7 +121,7 @@ def test_quality_script_tiny(tmp_path):
     rows = {r["setting"]: r for r in out["results"]}
     assert set(rows) == {"q8", *load_bench().DECODE_SETTINGS, "gptq_int4", "awq_int4", "rtn_int4"}
     assert "error" not in rows["q8"] and rows["q8"]["greedy_agreement"] > 0.9
-    if os.path.exists(quality.LLMCOMPRESSOR_PYTHON):
+    if load_bench().LLMCOMPRESSOR_PYTHON.exists():
         assert all("error" not in rows[f"{method}_int4"] for method in ("gptq", "awq", "rtn")), rows
     assert rows["fp32"]["perplexity"] == pytest.approx(out["fp32"]["perplexity"])
     assert rows["fp32"]["greedy_agreement"] == 1
