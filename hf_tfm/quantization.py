@@ -119,10 +119,13 @@ BACKENDS: dict[str, QuantizationBackend] = {
 }
 
 
-# Settings hf_tfm quantizes itself, with no quantization package (`hf_tfm.inference.quantize_q8`): setting -> summary
+# Settings hf_tfm quantizes itself, with no quantization package (`hf_tfm.inference.quantize_q8` / `quantize_q4`):
+# setting -> summary
 NATIVE_SETTINGS = {
-    "q8": "hf_tfm int8 weights with a scale per row, lm_head too, streamed by the compiled step (the fastest setting "
-    "here; quantized while loading, not saveable)",
+    "q8": "hf_tfm int8 weights with a scale per 128 inputs, lm_head too, on hf_tfm's AVX-512 VNNI kernel (quantized "
+    "while loading, not saveable)",
+    "q4": "hf_tfm int4 weights with a scale per 128 inputs and an int8 lm_head, on the same kernel (the fastest "
+    "setting; quantized while loading, not saveable)",
 }
 
 

@@ -1275,11 +1275,16 @@ RUNTIME_SETTINGS = {
     "hf_tfm fp32": ("hf_tfm", None, "hf_tfm generate(), float32, eager"),
     "hf_tfm fp32 compiled": ("hf_tfm+compile", None, "hf_tfm load_for_inference(): static cache, compiled step"),
     "hf_tfm int4 compiled": ("hf_tfm+compile", "int4", "load_for_inference(quantize='int4'): torchao CPU int4, bf16"),
-    "hf_tfm q8 compiled": ("hf_tfm+compile", "q8", "load_for_inference(quantize='q8'): hf_tfm int8 rows, streamed"),
+    "hf_tfm q8 compiled": ("hf_tfm+compile", "q8", "load_for_inference(quantize='q8'): int8, hf_tfm's VNNI kernel"),
+    "hf_tfm q4 compiled": (
+        "hf_tfm+compile",
+        "q4",
+        "load_for_inference(quantize='q4'): int4 (int8 lm_head), hf_tfm's VNNI kernel",
+    ),
     "hf_tfm w4a16 compiled": (
         "hf_tfm+compile",
         CALIBRATED,
-        "load_for_inference() of a GPTQ / AWQ checkpoint: int4 values in groups of 128, one byte each, streamed",
+        "load_for_inference() of a GPTQ / AWQ checkpoint: int4 in groups of 128 (float lm_head), hf_tfm's VNNI kernel",
     ),
     "onnx float32": ("onnx", None, "ONNX Runtime 1.32, float32 graphs"),
     "onnx int8": ("onnx", "int8", "ONNX Runtime, int8 MatMul weights per channel"),

@@ -119,7 +119,7 @@ def test_quality_script_tiny(tmp_path):
     finally:
         torch.set_num_threads(threads)
     rows = {r["setting"]: r for r in out["results"]}
-    assert set(rows) == {"q8", *load_bench().DECODE_SETTINGS, "gptq_int4", "awq_int4", "rtn_int4"}
+    assert set(rows) == {"q8", "q4", *load_bench().DECODE_SETTINGS, "gptq_int4", "awq_int4", "rtn_int4"}
     assert "error" not in rows["q8"] and rows["q8"]["greedy_agreement"] > 0.9
     if load_bench().LLMCOMPRESSOR_PYTHON.exists():
         assert all("error" not in rows[f"{method}_int4"] for method in ("gptq", "awq", "rtn")), rows
@@ -202,12 +202,12 @@ def test_bench_runtimes_tiny(tmp_path):
 
 def test_bench_runtimes_w4a16_tiny(tmp_path):
     """`--runtimes hf_tfm_w4a16_compiled`: a GPTQ / AWQ-format checkpoint (written in llm-compressor's environment)
-    decoded by the compiled step, its int4 values one byte each: a quarter of fp32's bytes in the linear layers."""
+    decoded by the compiled step, beside hf_tfm's own q4 (the same int4 layers, an int8 lm_head)."""
     bench = load_bench()
     if not bench.LLMCOMPRESSOR_PYTHON.exists():
         pytest.skip("needs llm-compressor's environment: make llmcompressor-env")
     threads = torch.get_num_threads()
-    argv = ["--size", "tiny", "--runtimes", "hf_tfm_q8_compiled,hf_tfm_w4a16_compiled", "--rounds", "1"]
+    argv = ["--size", "tiny", "--runtimes", "hf_tfm_q4_compiled,hf_tfm_w4a16_compiled", "--rounds", "1"]
     try:
         out = bench.main([*argv, "--threads", "1", "--json", str(tmp_path / "w4a16.json")])
     finally:
@@ -215,6 +215,6 @@ def test_bench_runtimes_w4a16_tiny(tmp_path):
     rows = {r["setting"]: r for r in out["runtimes"]}
     assert "error" not in rows["hf_tfm w4a16 compiled"], rows["hf_tfm w4a16 compiled"]
     assert rows["hf_tfm w4a16 compiled"]["b1_step_s"] > 0
-    # int8 storage with a scale per group of 128 instead of per row; lm_head stays float where q8 makes it int8
-    assert rows["hf_tfm q8 compiled"]["weight_bytes_per_step"] < rows["hf_tfm w4a16 compiled"]["weight_bytes_per_step"]
+    # the same int4 layers; lm_head stays float where q4 makes it int8
+    assert rows["hf_tfm q4 compiled"]["weight_bytes_per_step"] < rows["hf_tfm w4a16 compiled"]["weight_bytes_per_step"]
     assert rows["hf_tfm w4a16 compiled"]["weight_bytes_per_step"] < rows["hf_tfm fp32"]["weight_bytes_per_step"]

@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 
 from hf_tfm import load_for_inference
 from hf_tfm.inference import Int8StreamingLinear, StreamingLinear, quantize_q8
+from hf_tfm.kernels import int_linear_available
 
 OPTIONS = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False}
 
@@ -139,10 +140,16 @@ def test_q8_quantizes_a_tied_head_apart_from_the_input_embedding(tmp_path):
     )
 
 
-def test_q8_refuses_to_save_and_warns_when_eager(tmp_path, caplog):
+def test_q8_refuses_to_save_and_warns_when_eager_without_the_kernel(tmp_path, caplog, monkeypatch):
     """The int8 rows are a decoding format: saving one says how to get it back instead of writing weights that would
-    load as something else; loading it for eager decoding warns that it is slow there."""
+    load as something else; loading it for eager decoding warns that it is slow there when hf_tfm's native kernel
+    (fast eagerly too) is missing."""
     trained({}).save_pretrained(tmp_path / "float")
+    with caplog.at_level(logging.WARNING, logger="hf_tfm.inference"):
+        load_for_inference(tmp_path / "float", quantize="q8", compile=False)
+    assert ("made for the compiled step" in caplog.text) is not int_linear_available()
+    caplog.clear()
+    monkeypatch.setattr("hf_tfm.inference.int_linear_available", lambda: False)
     with caplog.at_level(logging.WARNING, logger="hf_tfm.inference"):
         fast = load_for_inference(tmp_path / "float", quantize="q8", compile=False)
     assert "made for the compiled step" in caplog.text
@@ -169,7 +176,9 @@ def test_quantize_q8_leaves_a_quantizer_s_layers_alone():
 
 def test_unknown_setting_names_every_setting(tmp_path):
     trained({}).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"unknown quantization setting 'int3': choose one of q8, int8, int4, nf4"):
+    with pytest.raises(
+        ValueError, match=r"unknown quantization setting 'int3': choose one of q8, q4, int8, int4, nf4"
+    ):
         load_for_inference(tmp_path, quantize="int3")
 
 

@@ -1,0 +1,89 @@
+"""hf_tfm's native CPU kernel for decoding with integer weights: `torch.ops.hf_tfm.int_linear` (csrc/int_linear.cpp),
+compiled for this machine's CPU on first use (about 10 s, then cached by torch's extension builder).
+
+`int_linear(x, weight, scale, bits)` multiplies a few tokens `x` (..., in) in float32 by int8 weights (`bits=8`,
+(out, in)) or int4 weights packed two to a byte (`bits=4`, (out, in / 2), `pack_int4`), each with a float32 scale
+per group of inputs (`scale` (out, groups); a group is a multiple of 64 inputs, at most 4096). Each token's inputs
+are rounded to int16 with a scale per group (a relative error of 2^-16: the weights' rounding is the only loss, where
+llama.cpp's int8 inputs add their own), so the product runs on AVX-512 VNNI's integer dot products and reads the
+weights at the memory's streaming rate. It is a registered operator with a fake (shape) implementation:
+`torch.compile` calls it from the compiled step without a graph break.
+
+It needs AVX-512 with VNNI and a C++ compiler; where either is missing, or `HF_TFM_NATIVE_KERNELS=0`,
+`int_linear_available()` is False and `Int8StreamingLinear` keeps its compiled float formula.
+"""
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "int_linear.cpp"
+GROUP_MULTIPLE = 64  # inputs: a scale group of the kernel is a multiple of this
+GROUP_LIMIT = 4096  # inputs: and at most this many (its int32 sums would overflow past about 8192)
+
+
+def _cpu_fingerprint() -> str:
+    # The build targets this CPU (-march=native): a cache shared by machines of other CPUs must not reuse it
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line for line in lines if line.startswith("flags")), "")
+
+
+@functools.cache
+def int_linear_available() -> bool:
+    """Whether `torch.ops.hf_tfm.int_linear` is there, building it on the first call; False (with a warning when the
+    build fails) where the CPU lacks AVX-512 VNNI, `HF_TFM_NATIVE_KERNELS=0`, or there is no C++ compiler."""
+    if os.environ.get("HF_TFM_NATIVE_KERNELS", "1") == "0":
+        return False
+    if not (torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported()):
+        return False
+    from torch.utils.cpp_extension import load
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + _cpu_fingerprint().encode() + torch.__version__.encode())
+    try:
+        load(
+            name=f"hf_tfm_int_linear_{digest.hexdigest()[:12]}",
+            sources=[str(SOURCE)],
+            # OpenMP: at::parallel_for splits the rows between torch's threads only when compiled with it
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, a failed build
+        logger.warning(
+            "hf_tfm's int8/int4 CPU kernel could not be built (%s): decoding uses the slower formula", error
+        )
+        return False
+
+    @torch.library.register_fake("hf_tfm::int_linear")
+    def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    return True
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """int4 values (out, in) in [-8, 7], `in` a multiple of 64, packed two to a byte as `int_linear(bits=4)` reads
+    them: in each run of 64 inputs, byte j holds input j + 8 in its low nibble and input j + 32 + 8 in its high one."""
+    out, inputs = values.shape
+    biased = (values.to(torch.int16) + 8).to(torch.uint8).view(out, inputs // 64, 2, 32)
+    return (biased[:, :, 0] | (biased[:, :, 1] << 4)).reshape(out, inputs // 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The int8 values (out, in) that `pack_int4` packed."""
+    out, half = packed.shape
+    runs = packed.view(out, half // 32, 1, 32)
+    nibbles = torch.cat([runs & 0x0F, runs >> 4], dim=2)  # (out, runs, 2, 32)
+    return (nibbles.to(torch.int8) - 8).reshape(out, half * 2)
+
+
+__all__ = ["GROUP_LIMIT", "GROUP_MULTIPLE", "int_linear_available", "pack_int4", "unpack_int4"]

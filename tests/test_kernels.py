@@ -1,0 +1,164 @@
+"""hf_tfm's native int8/int4 CPU kernel (hf_tfm.kernels, csrc/int_linear.cpp) against a reference of its arithmetic
+written in torch, the layers that call it against their fallback formula, and the decode step's attention against
+sdpa. Speed lives in scripts/bench.py."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from export_models import NEW_TOKENS, trained
+from torch import nn
+from torch._dynamo.utils import counters
+
+from hf_tfm import load_for_inference
+from hf_tfm.inference import Int8StreamingLinear, decode_attention
+from hf_tfm.kernels import int_linear_available, pack_int4, unpack_int4
+
+native = pytest.mark.skipif(not int_linear_available(), reason="needs AVX-512 VNNI and a C++ compiler")
+
+
+def reference(x: torch.Tensor, integers: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic in float64: each token's inputs rounded to int16 with a scale per group (its largest
+    magnitude / 32767, ties to even), integer products summed per group, times both scales."""
+    groups = scale.shape[1]
+    xg = x.double().unflatten(-1, (groups, -1))  # (T, G, group)
+    xs = xg.abs().amax(-1, keepdim=True) / 32767
+    xq = torch.round(xg / torch.where(xs > 0, xs, 1))
+    wg = integers.double().unflatten(-1, (groups, -1))  # (N, G, group)
+    sums = torch.einsum("tgk,ngk->tng", xq, wg)
+    return (sums * xs[..., 0][:, None, :] * scale.double()[None]).sum(-1)
+
+
+@native
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 13])
+@pytest.mark.parametrize("groups", [1, 3])
+def test_kernel_computes_its_arithmetic(bits, tokens, groups):
+    """Every row count (70: a remainder past the blocks of 4 rows), token count (pairs and a last one) and group
+    layout gives the reference's sums to float32 rounding, whatever the inputs' scale (a zero token included)."""
+    torch.manual_seed(bits * 100 + tokens)
+    inputs, largest = 192, 127 if bits == 8 else 7
+    integers = torch.randint(-largest - 1, largest + 1, (70, inputs), dtype=torch.int8)
+    scale = torch.rand(70, groups) + 0.01
+    x = torch.randn(tokens, inputs) * torch.logspace(-3, 3, tokens)[:, None]
+    x[0, :64] = 0  # a group of zeros: its scale is 0 and nothing may divide by it
+    weight = pack_int4(integers) if bits == 4 else integers
+    y = torch.ops.hf_tfm.int_linear(x, weight, scale, bits)
+    expected = reference(x, integers, scale)
+    assert y.dtype == torch.float32 and y.shape == (tokens, 70)
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@native
+def test_a_long_row_with_one_scale_takes_groups_the_sums_cannot_overflow():
+    """A scale per row of 8192 inputs (a channel-wise compressed-tensors layer): the layer repeats it per 64 inputs,
+    so no int32 sum of the largest weights by the largest inputs overflows."""
+    integers = torch.full((8, 8192), 127, dtype=torch.int8)
+    layer = Int8StreamingLinear(integers, torch.full((8, 1), 0.01), None)
+    assert layer.native and layer.weight_scale.shape == (8, 128)
+    x = torch.ones(1, 8192)
+    torch.testing.assert_close(layer(x), torch.full((1, 8), 127 * 0.01 * 8192))
+
+
+@native
+def test_kernel_refuses_what_it_cannot_compute():
+    x, scale = torch.randn(2, 128), torch.rand(4, 2)
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        torch.ops.hf_tfm.int_linear(x, torch.zeros(4, 128, dtype=torch.int8), scale, 2)
+    with pytest.raises(RuntimeError, match="128 inputs need weight rows of 64 bytes"):
+        torch.ops.hf_tfm.int_linear(x, torch.zeros(4, 128, dtype=torch.uint8), scale, 4)
+    with pytest.raises(RuntimeError, match="groups of a multiple of 64 inputs"):
+        torch.ops.hf_tfm.int_linear(x, torch.zeros(4, 128, dtype=torch.int8), torch.rand(4, 4), 8)
+    with pytest.raises(RuntimeError, match="at most 4096 inputs"):
+        torch.ops.hf_tfm.int_linear(torch.randn(1, 8192), torch.zeros(4, 8192, dtype=torch.int8), scale[:, :1], 8)
+    with pytest.raises(RuntimeError, match="float32 inputs"):
+        torch.ops.hf_tfm.int_linear(x.double(), torch.zeros(4, 128, dtype=torch.int8), scale, 8)
+
+
+def test_int4_packing_round_trips():
+    values = torch.randint(-8, 8, (5, 192), dtype=torch.int8)
+    packed = pack_int4(values)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, 96)
+    assert torch.equal(unpack_int4(packed), values)
+    # the layout the kernel reads: byte j of a run of 64 holds input j (low nibble) and input j + 32 (high), + 8
+    assert packed[0, 0].item() == (values[0, 0].item() + 8) | ((values[0, 32].item() + 8) << 4)
+
+
+@native
+@pytest.mark.parametrize("bits", [8, 4])
+def test_layers_call_the_kernel_eagerly_and_compiled(bits):
+    """A layer calls the kernel for any number of tokens, eagerly and compiled (one graph, the same floats), within
+    the inputs' int16 rounding of the dequantized product of the same integers."""
+    torch.manual_seed(0)
+    layer = nn.Linear(256, 96)
+    q = Int8StreamingLinear.from_linear(layer, bits=bits)
+    assert q.native and q.bits == bits and q.weight_scale.shape == (96, 2)
+    assert q.weight.shape == ((96, 128) if bits == 4 else (96, 256))
+    assert q.integers().abs().max() == (127 if bits == 8 else 8)
+    x = torch.randn(3, 256)
+    dequantized = q.integers().float().unflatten(1, (2, 128)).mul(q.weight_scale[..., None]).flatten(1)
+    with torch.no_grad():
+        eager = q(x)
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(q, fullgraph=True)(x)
+        assert not counters["graph_break"]
+        many = q(torch.cat([x, torch.randn(30, 256)]))[:3]  # a prompt's worth: each token on its own
+        exact = nn.functional.linear(x, dequantized, layer.bias)
+    assert torch.equal(eager, compiled) and torch.equal(eager, many)
+    torch.testing.assert_close(eager, exact, rtol=0, atol=1e-4 * exact.abs().max().item())
+
+
+@native
+def test_q4_compiled_greedy_equals_eager_and_tracks_the_float_model(tmp_path):
+    """`load_for_inference(quantize="q4")`: int4 layers on the kernel and an int8 lm_head; compiled greedy tokens equal
+    eager ones with the same weights, and the tiny trained model's greedy tokens survive int4."""
+    model = trained({})
+    model.save_pretrained(tmp_path)
+    fast = load_for_inference(tmp_path, quantize="q4")
+    layers = [m for m in fast.modules() if isinstance(m, Int8StreamingLinear)]
+    assert all(m.native for m in layers) and fast.lm_head.bits == 8
+    assert {m.bits for m in layers if m is not fast.lm_head} == {4}
+    ids = torch.tensor([[1, 5, 12, 19, 26, 33, 40]])
+    options = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False}
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = fast.generate(ids, **options)
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters)
+    assert torch.equal(compiled, fast.generate(ids, disable_compile=True, **options))
+    assert torch.equal(compiled, model.generate(ids, **options))
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_decode_attention_is_sdpa_for_one_query(kv_heads):
+    """The compiled step's attention for a single query: sdpa's result (GQA, a padding mask, an ALiBi-like bias),
+    by the plain formula; more queries go to sdpa itself."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    module = nn.Module()
+    module.num_key_value_groups, module.is_causal = 4 // kv_heads, True
+    module.eval()
+    query, key, value = torch.randn(2, 4, 1, 16), torch.randn(2, kv_heads, 9, 16), torch.randn(2, kv_heads, 9, 16)
+    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    mask[0, ..., :3] = False  # left padding
+    bias = -torch.rand(2, 4, 1, 9)
+    options = {"scaling": 0.25, "position_bias": bias}
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, **options)
+    out, weights = decode_attention(module, query, key, value, mask, **options)
+    torch.testing.assert_close(out, expected)
+    assert weights.shape == (2, 4, 1, 9) and (weights[0, ..., :3] == 0).all()
+
+
+def test_kernel_can_be_turned_off():
+    """HF_TFM_NATIVE_KERNELS=0: no kernel, and layers keep the compiled formula."""
+    code = (
+        "import torch; from hf_tfm.kernels import int_linear_available; from hf_tfm.inference import "
+        "Int8StreamingLinear; q = Int8StreamingLinear.from_linear(torch.nn.Linear(128, 8), bits=4); "
+        "print(int_linear_available(), q.native, q.bits)"
+    )
+    env = {**os.environ, "HF_TFM_NATIVE_KERNELS": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False", "8"]
