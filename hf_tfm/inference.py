@@ -1,7 +1,7 @@
 """One call for the fastest decoding a saved model gets on this machine: quantized weights, a static KV cache and a
 compiled decode step, behind the ordinary `generate()`.
 
-    model = load_for_inference("my-model", quantize="q8")  # or None, "int8", "int4", "nf4"
+    model = load_for_inference("my-model", quantize="q4")  # or None, "q8", "int8", "int4", "nf4"
     model.generate(**tokenizer("def ", return_tensors="pt"), max_new_tokens=64)
 
 transformers' `generate()` compiles the model's forward for the decode steps when the cache is a static one and the
@@ -15,9 +15,9 @@ A decode step multiplies one token's vector by every weight matrix, so its speed
 stream from memory. `nn.Linear` on a CPU hands that product to MKL, whose GEMV with one row read the weights at 10
 GB/s on this project's 2-core machines, where Inductor's own code for the same product written as `(x * W).sum(-1)`
 read them at 22-27 GB/s (scripts/bench.py, docs/fast-inference.md). So the compiled step swaps every plain
-`nn.Linear` for `StreamingLinear`, the same module with that formula for a few tokens; and `quantize="q8"` stores
-int8 weights with a scale per output row (`Int8StreamingLinear`), which Inductor converts inside the same loop: a
-quarter of fp32's bytes, no dequantized copy.
+`nn.Linear` for `StreamingLinear`, the same module with that formula for a few tokens; and `quantize="q8"` / "q4"
+store int8 / int4 weights with a scale per group of inputs (`Int8StreamingLinear`), multiplied by hf_tfm's own
+AVX-512 VNNI kernel (`hf_tfm.kernels`): a quarter / an eighth of fp32's bytes, no dequantized copy.
 """
 
 import os
@@ -294,7 +294,7 @@ def compile_generation(model: PreTrainedModel) -> PreTrainedModel:
     """Make `model.generate()` decode with a static cache and a compiled step, on any device; returns `model`.
 
     Every plain `nn.Linear` becomes a `StreamingLinear` (same parameters; a faster single-token product once
-    compiled). Weights of a quantizer that transformers marks as not compileable (bitsandbytes) keep eager
+    compiled), and a CPU model on sdpa takes `decode_attention` (sdpa, but the plain formula for a single query). Weights of a quantizer that transformers marks as not compileable (bitsandbytes) keep eager
     decoding, with a warning: generate() would skip compiling them anyway."""
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None and not quantizer.is_compileable:
@@ -325,7 +325,8 @@ def load_for_inference(
 ) -> PreTrainedModel:
     """Load a causal LM or seq2seq LM folder (or Hub id) in eval mode for fast `generate()`.
 
-    `quantize`: "q8" (hf_tfm's own int8, `quantize_q8`; the fastest compiled setting here), "int8", "int4" or
+    `quantize`: "q8" / "q4" (hf_tfm's own int8 / int4 on its native kernel, `quantize_q8` / `quantize_q4`; the
+    fastest settings here), "int8", "int4" or
     "nf4" (`hf_tfm.quantization.BACKENDS`: transformers' torchao or bitsandbytes integration, which needs that
     package), or None for the checkpoint's weights. `compile`: decode with a static cache and a compiled step
     (`compile_generation`); a compressed-tensors checkpoint's int4 / int8 weights (GPTQ, AWQ: `hf_tfm.calibration`)
