@@ -73,9 +73,9 @@ class Int8StreamingLinear(nn.Module):
     int8 values (`from_compressed`).
 
     On a CPU with float32 inputs it calls hf_tfm's native kernel (`hf_tfm.kernels`: AVX-512 VNNI integer dot
-    products, each token's inputs rounded to int16 per group), eagerly and compiled, for a step and
-    for a prompt alike (faster than dequantizing up to 512 tokens at least: 9 vs 18 ms for a 2048 x 768 int4 layer);
-    int4 weights are then packed two to a byte (`weight` (out, in / 2) uint8, `bits == 4`). Without that kernel
+    products, each token's inputs rounded to int16 per group), eagerly and compiled, for a step and for a prompt alike
+    (faster than dequantizing up to 512 tokens at least: 9 vs 18 ms for a 2048 x 768 int4 layer); int4 weights are
+    then packed two to a byte (`weight` (out, in / 2) uint8, `bits == 4`). Without that kernel
     (another CPU or device, other inputs, groups that are not multiples of 64), int4 values stay one to a byte
     (`bits == 8`), the compiled step streams up to 8 tokens with a formula Inductor fuses, and more take the
     dequantized matrix product.
@@ -97,10 +97,9 @@ class Int8StreamingLinear(nn.Module):
         if native and in_units // groups > GROUP_LIMIT:  # one scale per row of many inputs: the same scale per 64
             scale = scale.repeat_interleave(in_units // groups // GROUP_MULTIPLE, dim=1)
         self.native, self.in_features = native, in_units
+        # Storage: int4 values packed two to a byte (without loss) for the kernel, else a byte each
         int4 = bool(weight.min() >= -8) and bool(weight.max() <= 7)
-        self.bits = (
-            4 if native and int4 and in_units % 64 == 0 else 8
-        )  # of storage: packed without loss, or a byte each
+        self.bits = 4 if native and int4 and in_units % 64 == 0 else 8
         self.register_buffer("weight", pack_int4(weight) if self.bits == 4 else weight)  # (out, in * bits / 8)
         self.register_buffer("weight_scale", scale)  # (out, groups) in the activations' dtype
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -108,13 +107,12 @@ class Int8StreamingLinear(nn.Module):
     @classmethod
     @torch.no_grad()
     def from_linear(cls, linear: nn.Linear, bits: int = 8) -> "Int8StreamingLinear":
-        """Round `linear`'s weights to the nearest of 2**bits - 1 (int8) or 16 (int4) steps of a scale per group of 128
-        inputs (64 where 128 does not divide them; else the row)."""
+        """Round `linear`'s weights to the nearest multiple of a scale per group of 128 inputs (64 where 128 does not
+        divide them, else the row): int8 in -127..127 (the group's largest magnitude / 127), or int4 in -8..7 (its
+        largest magnitude / 7.5, as compressed-tensors' symmetric int4)."""
         weight = linear.weight.float()
         grouped = weight.unflatten(1, (-1, _group_size(linear.in_features, 128)))  # (out, groups, group)
-        largest = (
-            2 ** (bits - 1) - 1
-        )  # symmetric: -127..127, or -8..7 with the scale of -7.5..7.5 (compressed-tensors)
+        largest = 2 ** (bits - 1) - 1
         scale = grouped.abs().amax(dim=2).clamp(min=torch.finfo(torch.float32).tiny) / (largest + (bits == 4) / 2)
         quantized = torch.round(grouped / scale[..., None]).clamp(-largest - 1, largest).flatten(1).to(torch.int8)
         bias = None if linear.bias is None else linear.bias.detach().clone()
@@ -294,8 +292,9 @@ def compile_generation(model: PreTrainedModel) -> PreTrainedModel:
     """Make `model.generate()` decode with a static cache and a compiled step, on any device; returns `model`.
 
     Every plain `nn.Linear` becomes a `StreamingLinear` (same parameters; a faster single-token product once
-    compiled), and a CPU model on sdpa takes `decode_attention` (sdpa, but the plain formula for a single query). Weights of a quantizer that transformers marks as not compileable (bitsandbytes) keep eager
-    decoding, with a warning: generate() would skip compiling them anyway."""
+    compiled), and a CPU model on sdpa takes `decode_attention` (sdpa, but the plain formula for a single query).
+    Weights of a quantizer that transformers marks as not compileable (bitsandbytes) keep eager decoding, with a
+    warning: generate() would skip compiling them anyway."""
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None and not quantizer.is_compileable:
         logger.warning(
@@ -326,12 +325,12 @@ def load_for_inference(
     """Load a causal LM or seq2seq LM folder (or Hub id) in eval mode for fast `generate()`.
 
     `quantize`: "q8" / "q4" (hf_tfm's own int8 / int4 on its native kernel, `quantize_q8` / `quantize_q4`; the
-    fastest settings here), "int8", "int4" or
-    "nf4" (`hf_tfm.quantization.BACKENDS`: transformers' torchao or bitsandbytes integration, which needs that
-    package), or None for the checkpoint's weights. `compile`: decode with a static cache and a compiled step
-    (`compile_generation`); a compressed-tensors checkpoint's int4 / int8 weights (GPTQ, AWQ: `hf_tfm.calibration`)
-    then stream as `Int8StreamingLinear` layers (`stream_compressed`). `dtype`: of the weights (with `quantize`, of
-    what stays unquantized; default: the setting's or the checkpoint's). Other keyword arguments go to
+    fastest settings here), "int8", "int4" or "nf4" (`hf_tfm.quantization.BACKENDS`: transformers' torchao or
+    bitsandbytes integration, which needs that package), or None for the checkpoint's weights. `compile`: decode
+    with a static cache and a compiled step (`compile_generation`); a compressed-tensors checkpoint's int4 / int8
+    weights (GPTQ, AWQ: `hf_tfm.calibration`) then become `Int8StreamingLinear` layers (`stream_compressed`).
+    `dtype`: of the weights (with `quantize`, of what stays unquantized; default: the setting's or the checkpoint's).
+    Other keyword arguments go to
     `from_pretrained`.
     """
     config = AutoConfig.from_pretrained(path, trust_remote_code=True)
