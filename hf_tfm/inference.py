@@ -74,7 +74,7 @@ class Int8StreamingLinear(nn.Module):
 
     On a CPU with float32 inputs it calls hf_tfm's native kernel (`hf_tfm.kernels`: AVX-512 VNNI integer dot
     products, each token's inputs rounded to int16 per group), eagerly and compiled, for a step and for a prompt alike
-    (faster than dequantizing up to 512 tokens at least: 9 vs 18 ms for a 2048 x 768 int4 layer); int4 weights are
+    (faster than dequantizing up to 512 tokens at least: 11 vs 14 ms for a 2048 x 768 int4 layer); int4 weights are
     then packed two to a byte (`weight` (out, in / 2) uint8, `bits == 4`). Without that kernel
     (another CPU or device, other inputs, groups that are not multiples of 64), int4 values stay one to a byte
     (`bits == 8`), the compiled step streams up to 8 tokens with a formula Inductor fuses, and more take the
