@@ -2,7 +2,7 @@
 // rate on an AVX-512 VNNI CPU (built on first use by hf_tfm/kernels.py).
 //
 // y[t, n] = sum_g ws[n, g] * sum_{k in g} q[n, k] * x[t, k]: integer weights q with a float scale per group of
-// inputs (a group is a whole row or a multiple of 64 inputs). Each token's inputs are rounded to int16 with a scale
+// inputs (a multiple of 64 inputs, at most 4096). Each token's inputs are rounded to int16 with a scale
 // per group (a relative error of 2^-16, where llama.cpp's int8 inputs lose 2^-8: the weights' rounding is all the
 // quantization there is, as "W4A16" promises), and one `vpdpwssd` multiplies 32 weights widened to int16 by 32
 // inputs into 16 int32 sums, so a weight costs a fraction of an instruction and the step waits on memory only.
