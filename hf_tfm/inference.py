@@ -271,6 +271,8 @@ def decode_attention(
             position_bias=position_bias,
             **kwargs,
         )
+    # Not modeling's `eager_attention_forward`: its `repeat_kv` copies the whole cache for GQA at every step, where
+    # grouping the query heads by their key/value head is a view
     batch, heads, _, dim = query.shape
     query = query.view(batch, key.shape[1], heads // key.shape[1], dim)  # (B, H_kv, H / H_kv, D): GQA's heads per kv
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H_kv, H / H_kv, S)
