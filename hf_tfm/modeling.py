@@ -344,6 +344,10 @@ class TfmAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.attention_out_bias)
+        # Self-attention's q, k and v as one layer, of `qkv_sizes` outputs: built for decoding by
+        # `hf_tfm.inference.fuse_projections` (one pass over the weights); checkpoints and PEFT keep the three layers
+        self.qkv_proj: nn.Module | None = None
+        self.qkv_sizes: tuple[int, int, int] | None = None
         # None, or the q/k norm's scope: each head's values ("head"), or the whole projection ("projection", OLMoE)
         self.qk_norm = config.qk_norm_scope if config.qk_norm else None
         per_head = self.qk_norm == "head"
@@ -363,12 +367,14 @@ class TfmAttention(nn.Module):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)  # -1 heads: tensor parallelism shards the head count
 
-        query = self._project(self.q_proj, self.q_norm, hidden_states, hidden_shape).transpose(1, 2)  # (B, H, T, D)
         if self.is_cross_attention:  # no positions: a source token's keys are the same for every target token
+            query = self._heads(self.q_proj(hidden_states), self.q_norm, hidden_shape).transpose(1, 2)  # (B, H, T, D)
             key, value = self._cross_key_value(key_value_states, cache)
         else:
-            key = self._project(self.k_proj, self.k_norm, hidden_states, hidden_shape).transpose(1, 2)
-            value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, H_kv, T, D), as the key
+            query, key, value = self._self_projections(hidden_states)
+            query = self._heads(query, self.q_norm, hidden_shape).transpose(1, 2)  # (B, H, T, D)
+            key = self._heads(key, self.k_norm, hidden_shape).transpose(1, 2)
+            value = value.view(hidden_shape).transpose(1, 2)  # (B, H_kv, T, D), as the key
             if position_embeddings is not None:
                 query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
             if isinstance(cache, PagedAttentionCache):  # continuous batching: all sequences packed in one row
@@ -398,9 +404,14 @@ class TfmAttention(nn.Module):
         )
         return self.o_proj(out.reshape(*input_shape, -1)), weights
 
-    def _project(self, proj: nn.Linear, norm: nn.Module, states: torch.Tensor, shape: tuple) -> torch.Tensor:
-        """(B, T, C) -> (B, T, heads, D) queries or keys, normed over the whole projection or per head (qk_norm)."""
-        x = proj(states)
+    def _self_projections(self, states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(B, T, C) -> queries, keys and values (B, T, heads * D): one product where decoding fused the layers."""
+        if self.qkv_proj is not None:
+            return self.qkv_proj(states).split(self.qkv_sizes, dim=-1)
+        return self.q_proj(states), self.k_proj(states), self.v_proj(states)
+
+    def _heads(self, x: torch.Tensor, norm: nn.Module, shape: tuple) -> torch.Tensor:
+        """(B, T, heads * D) -> (B, T, heads, D) queries or keys, normed over the whole projection or per head."""
         if self.qk_norm == "projection":
             x = norm(x)
         x = x.view(shape)
@@ -414,7 +425,7 @@ class TfmAttention(nn.Module):
             layer = cache.cross_attention_cache.layers[self.layer_idx]
             return layer.keys, layer.values
         kv_shape = (*states.shape[:-1], -1, self.head_dim)
-        key = self._project(self.k_proj, self.k_norm, states, kv_shape)
+        key = self._heads(self.k_proj(states), self.k_norm, kv_shape)
         key, value = key.transpose(1, 2), self.v_proj(states).view(kv_shape).transpose(1, 2)  # (B, H_kv, S, D)
         if cache is not None:
             key, value = cache.cross_attention_cache.update(key, value, self.layer_idx)
@@ -433,8 +444,13 @@ class TfmMLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
         self.act_fn = ACT2FN[config.hidden_act]
+        # gate and up as one layer (gate's outputs first): built for decoding by `hf_tfm.inference.fuse_projections`
+        self.gate_up_proj: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(self.act_fn(gate) * up)
         if self.is_glu:
             return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
         return self.down_proj(self.act_fn(self.up_proj(x)))

@@ -1,17 +1,20 @@
 """hf_tfm's own decode kernels (hf_tfm.inference): the streaming single-token product of `StreamingLinear` and the int8
 rows of `quantize="q8"`, against `nn.Linear` and against the float model. Speed lives in scripts/bench.py."""
 
+import copy
 import logging
 
 import pytest
 import torch
+from conftest import build, tiny_config, tiny_seq2seq_config
 from export_models import NEW_TOKENS, PROMPTS, trained, trained_seq2seq
 from torch import nn
 from torch._dynamo.utils import counters
 
-from hf_tfm import load_for_inference
-from hf_tfm.inference import Int8StreamingLinear, StreamingLinear, quantize_q8
+from hf_tfm import TfmForCausalLM, TfmForConditionalGeneration, load_for_inference
+from hf_tfm.inference import Int8StreamingLinear, StreamingLinear, quantize_q4, quantize_q8
 from hf_tfm.kernels import int_linear_available
+from hf_tfm.modeling import CACHE_NAME
 
 OPTIONS = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False}
 
@@ -122,6 +125,59 @@ def test_q8_compiled_greedy_equals_eager_q8_and_tracks_the_float_model(kind, tmp
     clear = top2[..., 0] - top2[..., 1] > 2 * error
     assert clear.float().mean() >= 0.5  # most positions (so the check below is not vacuous)
     assert torch.equal(quantized.argmax(-1)[clear], reference.argmax(-1)[clear])
+
+
+# Widths the native kernel takes (groups of 64 inputs); grouped-query attention, so q and k/v widths differ
+FUSABLE = {"hidden_size": 128, "intermediate_size": 256, "num_key_value_heads": 2}
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["kernel", "formula"])
+@pytest.mark.parametrize(
+    "kind, overrides",
+    [
+        ("causal", {"qk_norm": True, "attention_bias": True, "mlp_bias": True}),
+        ("causal", {"qk_norm": True, "qk_norm_scope": "projection", "ffn_type": "mlp"}),
+        ("seq2seq", {}),
+    ],
+    ids=["glu-head-norm-bias", "mlp-projection-norm", "seq2seq"],
+)
+def test_fused_projections_compute_the_separate_layers(kind, overrides, native, monkeypatch):
+    """q8 / q4 give each self-attention one `qkv_proj` and each gated feed-forward one `gate_up_proj`: the logits of a
+    prompt and of a cached step are the separate layers' (to the bit on the kernel, which computes each output row
+    alone); a plain MLP and the decoder's cross-attention (two sources) keep their layers."""
+    if native and not int_linear_available():
+        pytest.skip("needs hf_tfm's native kernel")
+    if not native:
+        monkeypatch.setattr("hf_tfm.inference.int_linear_available", lambda: False)
+    if kind == "causal":
+        model = build(TfmForCausalLM, tiny_config(**FUSABLE, **overrides))
+    else:
+        model = build(TfmForConditionalGeneration, tiny_seq2seq_config(FUSABLE, FUSABLE))
+    for quantize in (quantize_q8, quantize_q4):
+        with monkeypatch.context() as m:
+            m.setattr("hf_tfm.inference.fuse_projections", lambda model: model)
+            separate = quantize(copy.deepcopy(model))
+        fused = quantize(copy.deepcopy(model))
+        attention = [m for m in fused.modules() if hasattr(m, "qkv_proj")]
+        assert all((m.qkv_proj is None) == m.is_cross_attention for m in attention) and len(attention) >= 2
+        assert all(not hasattr(m, "q_proj") for m in attention if not m.is_cross_attention)
+        mlps = [m for m in fused.modules() if hasattr(m, "gate_up_proj")]
+        assert mlps and all((m.gate_up_proj is not None) == m.is_glu for m in mlps)
+        assert all(getattr(m.qkv_proj, "native", native) == native for m in attention)
+        ids = torch.tensor([[1, 5, 12, 19, 26, 33, 40]])
+        inputs = (
+            {"input_ids": ids[:, :-1]} if kind == "causal" else {"input_ids": ids, "decoder_input_ids": ids[:, :-1]}
+        )
+        step = {"input_ids": ids[:, -1:]} if kind == "causal" else {"decoder_input_ids": ids[:, -1:]}
+        with torch.no_grad():
+            logits = []
+            for each in (separate, fused):
+                prompt = each(**inputs, use_cache=True)
+                extra = {"encoder_outputs": (prompt.encoder_last_hidden_state,)} if kind == "seq2seq" else {}
+                cache = {CACHE_NAME: getattr(prompt, CACHE_NAME)}
+                logits.append(torch.cat([prompt.logits, each(**step, **extra, **cache).logits], dim=1))
+        tolerance = {"atol": 0, "rtol": 0} if native else {}
+        torch.testing.assert_close(logits[1], logits[0], **tolerance, msg=quantize.__name__)
 
 
 def test_q8_quantizes_a_tied_head_apart_from_the_input_embedding(tmp_path):

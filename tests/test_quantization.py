@@ -450,4 +450,4 @@ def test_docs_fast_inference_blocks(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TFM_LLMCOMPRESSOR_PYTHON", str(llmcompressor))
     run_doc_block("fast-inference", 5, namespace)
     assert namespace["gptq_tokens"].shape == (1, 12)
-    assert type(namespace["gptq_fast"].model.layers[0].mlp.up_proj).__name__ == "Int8StreamingLinear"
+    assert type(namespace["gptq_fast"].model.layers[0].mlp.gate_up_proj).__name__ == "Int8StreamingLinear"
