@@ -193,8 +193,9 @@ def _compressed_int_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.L
 
 def stream_compressed(model: PreTrainedModel) -> PreTrainedModel:
     """Replace the compressed-tensors integer layers of `model` (`_compressed_int_linears`) by `Int8StreamingLinear`
-    layers with the same integers and scales, in place; returns `model`. compressed-tensors decompresses its layers to
-    float weights for its own forward, which reads 4 bytes a weight: this reads one."""
+    layers with the same integers and scales, fused per block (`fuse_projections`), in place; returns `model`.
+    compressed-tensors decompresses its layers to float weights for its own forward, which reads 4 bytes a weight:
+    this reads one."""
     layers = _compressed_int_linears(model)
     if layers and any(getattr(linear, "weight", None) is None for _, _, linear in layers):
         # compressed-tensors unpacks the weights on the model's first forward: one token does it
@@ -264,7 +265,8 @@ def quantize_q8(model: PreTrainedModel) -> PreTrainedModel:
     """Replace every plain `nn.Linear` of `model` (the output embedding `lm_head` too, as llama.cpp's Q8_0 does) by an
     int8 `Int8StreamingLinear` in place; returns `model`. A tied `lm_head` gets an int8 copy, the input embedding
     table stays as it is (a step gathers one row of it), and so do a mixture of experts' experts and router (3-D and
-    router parameters, not `nn.Linear` layers; a shared expert and its gate are linear layers and take int8 rows)."""
+    router parameters, not `nn.Linear` layers; a shared expert and its gate are linear layers and take int8 rows).
+    Then each block's q/k/v and gate/up layers are fused (`fuse_projections`)."""
     return _quantize_linears(model, bits=8, head_bits=8)
 
 
