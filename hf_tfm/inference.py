@@ -378,8 +378,7 @@ def load_for_inference(
     with a static cache and a compiled step (`compile_generation`); a compressed-tensors checkpoint's int4 / int8
     weights (GPTQ, AWQ: `hf_tfm.calibration`) then become `Int8StreamingLinear` layers (`stream_compressed`).
     `dtype`: of the weights (with `quantize`, of what stays unquantized; default: the setting's or the checkpoint's).
-    Other keyword arguments go to
-    `from_pretrained`.
+    Other keyword arguments go to `from_pretrained`.
     """
     config = AutoConfig.from_pretrained(path, trust_remote_code=True)
     loading = quantization_kwargs(quantize, config) if quantize else {}
