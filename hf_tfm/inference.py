@@ -15,9 +15,10 @@ A decode step multiplies one token's vector by every weight matrix, so its speed
 stream from memory. `nn.Linear` on a CPU hands that product to MKL, whose GEMV with one row read the weights at 10
 GB/s on this project's 2-core machines, where Inductor's own code for the same product written as `(x * W).sum(-1)`
 read them at 22-27 GB/s (scripts/bench.py, docs/fast-inference.md). So the compiled step swaps every plain
-`nn.Linear` for `StreamingLinear`, the same module with that formula for a few tokens; and `quantize="q8"` / "q4"
-store int8 / int4 weights with a scale per group of inputs (`Int8StreamingLinear`), multiplied by hf_tfm's own
-AVX-512 VNNI kernel (`hf_tfm.kernels`): a quarter / an eighth of fp32's bytes, no dequantized copy.
+`nn.Linear` for `StreamingLinear`, the same module with that formula for one token and hf_tfm's float kernel for a
+few (a batch decoding together); and `quantize="q8"` / "q4" store int8 / int4 weights with a scale per group of
+inputs (`Int8StreamingLinear`), multiplied by hf_tfm's own AVX-512 VNNI kernel: a quarter / an eighth of fp32's
+bytes, no dequantized copy. Both kernels are in `hf_tfm.kernels`.
 """
 
 import os
@@ -31,7 +32,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
-from .kernels import GROUP_LIMIT, GROUP_MULTIPLE, int_linear_available, pack_int4, unpack_int4
+from .kernels import GROUP_LIMIT, GROUP_MULTIPLE, native_kernels_available, pack_int4, unpack_int4
 from .quantization import NATIVE_SETTINGS, quantization_kwargs
 
 logger = logging.get_logger(__name__)
@@ -39,8 +40,9 @@ logger = logging.get_logger(__name__)
 # Up to this many tokens (batch x length) a linear layer streams its weights with `(x * W).sum(-1)`; past it (a
 # prompt's prefill) a matrix product reuses each weight across tokens, which MKL's GEMM does better. Measured on the
 # bench's base shape: fp32 streaming beat MKL at one token only (8 tokens: 55 vs 49 ms a step); int8 streaming beat
-# dequantize-then-GEMM up to 8 tokens (43 vs 101 ms).
-STREAMING_TOKENS = {"float": 1, "int8": 8}
+# dequantize-then-GEMM up to 8 tokens (43 vs 101 ms). "float kernel": up to this many tokens a float32 layer takes
+# hf_tfm's native kernel instead of MKL (on the base shape's matrices: 8 tokens 22 vs 41 ms, 32 tokens 52 vs 67).
+STREAMING_TOKENS = {"float": 1, "int8": 8, "float kernel": 32}
 
 
 def _streams(x: torch.Tensor, limit: int) -> bool:
@@ -50,15 +52,41 @@ def _streams(x: torch.Tensor, limit: int) -> bool:
 
 
 class StreamingLinear(nn.Linear):
-    """`nn.Linear` whose compiled product for a single token reads the weights at the memory's streaming rate.
+    """`nn.Linear` whose product for a few tokens reads the weights at the memory's streaming rate: compiled, a single
+    token's `(x * W).sum(-1)`, which Inductor fuses; 2 to `STREAMING_TOKENS["float kernel"]` tokens (a batch
+    decoding together, a short prompt), eagerly or compiled, hf_tfm's native kernel (`hf_tfm.kernels`: float32 on
+    a CPU with AVX-512) where it is built. More tokens (a prompt) take MKL's product, as `nn.Linear`.
 
-    The same parameters and state dict as `nn.Linear` (`compile_generation` swaps the class of a plain one)."""
+    The same parameters and state dict as `nn.Linear`: `from_linear` swaps the class of a plain one in place."""
+
+    native = False  # whether the kernel is built and takes these inputs (`from_linear` decides it, once)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "StreamingLinear":
+        """`linear` itself, its class swapped (its parameters, hooks and name unchanged)."""
+        linear.__class__ = cls
+        # Decided here, not in forward: a compiled step would graph-break on the kernel's build
+        linear.native = linear.in_features % 16 == 0 and native_kernels_available()
+        return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _streams(x, STREAMING_TOKENS["float"]):
+        if _streams(x, STREAMING_TOKENS["float"]):
+            y = (x.unsqueeze(-2) * self.weight).sum(-1)  # (..., 1, in) * (out, in) -> (..., out)
+        elif self._takes_kernel(x):
+            y = torch.ops.hf_tfm.float_linear(x, self.weight)
+        else:
             return F.linear(x, self.weight, self.bias)
-        y = (x.unsqueeze(-2) * self.weight).sum(-1)  # (..., 1, in) * (out, in) -> (..., out)
         return y if self.bias is None else y + self.bias
+
+    def _takes_kernel(self, x: torch.Tensor) -> bool:
+        # The kernel has no gradient: a product that autograd records keeps F.linear
+        return (
+            self.native
+            and x.shape[:-1].numel() <= STREAMING_TOKENS["float kernel"]
+            and x.dtype == self.weight.dtype == torch.float32
+            and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+        )
 
 
 def _group_size(inputs: int, wanted: int) -> int:
@@ -92,7 +120,7 @@ class Int8StreamingLinear(nn.Module):
             scale.dtype == torch.float32
             and weight.device.type == "cpu"
             and (in_units // groups) % GROUP_MULTIPLE == 0
-            and int_linear_available()
+            and native_kernels_available()
         )
         if native and in_units // groups > GROUP_LIMIT:  # one scale per row of many inputs: the same scale per 64
             scale = scale.repeat_interleave(in_units // groups // GROUP_MULTIPLE, dim=1)
@@ -351,12 +379,18 @@ def compile_generation(model: PreTrainedModel) -> PreTrainedModel:
         )
         return model
     for _, _, linear in _plain_linears(model):
-        linear.__class__ = StreamingLinear
+        StreamingLinear.from_linear(linear)
     if model.config._attn_implementation == "sdpa" and model.device.type == "cpu":
         model.set_attn_implementation(DECODE_ATTENTION)
     # fullgraph=False: a layer torch cannot trace (a quantizer's kernel, MoE's data-dependent routing) splits the
     # graph instead of failing; the dense models compile as one graph (tested).
     config = CompileConfig(fullgraph=False)
+    if model.device.type == "cpu":
+        # Inductor inlines a value read by several kernels unless it reads many inputs, so RoPE's cos and sin were
+        # recomputed inside the attention's loop over every cached position; storing such values computes them once
+        # (batch 8 on the bench's base shape: 41 -> 37 ms a step, batch 1 unchanged). Options replace the mode, whose
+        # "reduce-overhead" means CUDA graphs: nothing on a CPU.
+        config.mode, config.options = None, {"realize_reads_threshold": 0}
     config._compile_all_devices = True  # private: generate() compiles on CUDA/XPU/MPS only without it
     model.generation_config.cache_implementation = "static"
     model.generation_config.compile_config = config
@@ -388,7 +422,7 @@ def load_for_inference(
     model = auto.from_pretrained(path, trust_remote_code=True, **loading, **kwargs).eval()
     if quantize in NATIVE_SETTINGS:
         (quantize_q8 if quantize == "q8" else quantize_q4)(model)
-        if not compile and not int_linear_available():
+        if not compile and not native_kernels_available():
             logger.warning(
                 "quantize=%r without hf_tfm's native kernel (hf_tfm.kernels) is made for the compiled step: eagerly, "
                 "each layer's integer weights are converted at every step, slower than float32 (pass compile=True)",

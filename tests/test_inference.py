@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 
 from hf_tfm import TfmForCausalLM, TfmForConditionalGeneration, load_for_inference
 from hf_tfm.inference import Int8StreamingLinear, StreamingLinear, quantize_q4, quantize_q8
-from hf_tfm.kernels import int_linear_available
+from hf_tfm.kernels import native_kernels_available
 from hf_tfm.modeling import CACHE_NAME
 
 OPTIONS = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False}
@@ -34,11 +34,11 @@ def linear(bias: bool) -> nn.Linear:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tokens", [(1, 1, 48), (1, 48), (3, 1, 48), (2, 5, 48)])
 def test_streaming_linear_computes_the_linear_layer(bias, tokens):
-    """Eager it is nn.Linear bit for bit; compiled, one token takes the streaming product and more tokens the matrix
-    product, each equal to nn.Linear up to float rounding."""
+    """Without the native kernel (tests/test_kernels.py has it): eager it is nn.Linear bit for bit; compiled, one token
+    takes the streaming product and more tokens the matrix product, each equal to nn.Linear up to float rounding."""
     reference = linear(bias)
-    streaming = linear(bias)
-    streaming.__class__ = StreamingLinear
+    streaming = StreamingLinear.from_linear(linear(bias))
+    streaming.native = False
     x = torch.randn(tokens)
     with torch.no_grad():
         expected = reference(x)
@@ -145,10 +145,10 @@ def test_fused_projections_compute_the_separate_layers(kind, overrides, native, 
     """q8 / q4 give each self-attention one `qkv_proj` and each gated feed-forward one `gate_up_proj`: the logits of a
     prompt and of a cached step are the separate layers' (to the bit on the kernel, which computes each output row
     alone); a plain MLP and the decoder's cross-attention (two sources) keep their layers."""
-    if native and not int_linear_available():
+    if native and not native_kernels_available():
         pytest.skip("needs hf_tfm's native kernel")
     if not native:
-        monkeypatch.setattr("hf_tfm.inference.int_linear_available", lambda: False)
+        monkeypatch.setattr("hf_tfm.inference.native_kernels_available", lambda: False)
     if kind == "causal":
         model = build(TfmForCausalLM, tiny_config(**FUSABLE, **overrides))
     else:
@@ -203,9 +203,9 @@ def test_q8_refuses_to_save_and_warns_when_eager_without_the_kernel(tmp_path, ca
     trained({}).save_pretrained(tmp_path / "float")
     with caplog.at_level(logging.WARNING, logger="hf_tfm.inference"):
         load_for_inference(tmp_path / "float", quantize="q8", compile=False)
-    assert ("made for the compiled step" in caplog.text) is not int_linear_available()
+    assert ("made for the compiled step" in caplog.text) is not native_kernels_available()
     caplog.clear()
-    monkeypatch.setattr("hf_tfm.inference.int_linear_available", lambda: False)
+    monkeypatch.setattr("hf_tfm.inference.native_kernels_available", lambda: False)
     with caplog.at_level(logging.WARNING, logger="hf_tfm.inference"):
         fast = load_for_inference(tmp_path / "float", quantize="q8", compile=False)
     assert "made for the compiled step" in caplog.text

@@ -1,7 +1,8 @@
-"""hf_tfm's native int8/int4 CPU kernel (hf_tfm.kernels, csrc/int_linear.cpp) against a reference of its arithmetic
-written in torch, the layers that call it against their fallback formula, and the decode step's attention against
-sdpa. Speed lives in scripts/bench.py."""
+"""hf_tfm's native CPU kernels (hf_tfm.kernels: int8/int4 in csrc/int_linear.cpp, float32 in csrc/float_linear.cpp)
+against a reference of their arithmetic written in torch, the layers that call them against their fallback formula,
+and the decode step's attention against sdpa. Speed lives in scripts/bench.py."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -11,12 +12,13 @@ import torch
 from export_models import NEW_TOKENS, trained
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_tfm import load_for_inference
-from hf_tfm.inference import Int8StreamingLinear, decode_attention
-from hf_tfm.kernels import int_linear_available, pack_int4, unpack_int4
+from hf_tfm.inference import STREAMING_TOKENS, Int8StreamingLinear, StreamingLinear, decode_attention
+from hf_tfm.kernels import native_kernels_available, pack_int4, unpack_int4
 
-native = pytest.mark.skipif(not int_linear_available(), reason="needs AVX-512 VNNI and a C++ compiler")
+native = pytest.mark.skipif(not native_kernels_available(), reason="needs AVX-512 VNNI and a C++ compiler")
 
 
 def reference(x: torch.Tensor, integers: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -75,6 +77,73 @@ def test_kernel_refuses_what_it_cannot_compute():
         torch.ops.hf_tfm.int_linear(torch.randn(1, 8192), torch.zeros(4, 8192, dtype=torch.int8), scale[:, :1], 8)
     with pytest.raises(RuntimeError, match="float32 inputs"):
         torch.ops.hf_tfm.int_linear(x.double(), torch.zeros(4, 128, dtype=torch.int8), scale, 8)
+
+
+class CalledOps(TorchDispatchMode):
+    """The operators a block of code runs, as the dispatcher sees them."""
+
+    def __enter__(self) -> set:
+        self.called = set()
+        super().__enter__()
+        return self.called
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.called.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@native
+@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 8, 13])
+def test_float_kernel_computes_the_product(tokens):
+    """Every row count (70: a remainder past the blocks of 4 rows) and token count (blocks of 4, of 2 and a last one)
+    gives the float64 product to float32 rounding, for inputs a multiple of 16 but not of 64."""
+    torch.manual_seed(tokens)
+    weight, x = torch.randn(70, 208), torch.randn(tokens, 208) * torch.logspace(-3, 3, tokens)[:, None]
+    y = torch.ops.hf_tfm.float_linear(x, weight)
+    expected = x.double() @ weight.double().T
+    assert y.dtype == torch.float32 and y.shape == (tokens, 70)
+    error = (y.double() - expected).abs() / expected.abs().amax(1, keepdim=True)  # each token at its own scale
+    assert error.max() < 1e-5
+    assert torch.equal(torch.ops.hf_tfm.float_linear(x.view(1, tokens, 1, 208), weight), y.view(1, tokens, 1, 70))
+
+
+@native
+def test_float_kernel_refuses_what_it_cannot_compute():
+    with pytest.raises(RuntimeError, match="a multiple of 16 inputs, got 40"):
+        torch.ops.hf_tfm.float_linear(torch.randn(2, 40), torch.randn(4, 40))
+    with pytest.raises(RuntimeError, match="weight \\(out, in\\) for 48 inputs"):
+        torch.ops.hf_tfm.float_linear(torch.randn(2, 48), torch.randn(4, 32))
+    with pytest.raises(RuntimeError, match="float32 inputs and weights"):
+        torch.ops.hf_tfm.float_linear(torch.randn(2, 48, dtype=torch.float64), torch.randn(4, 48))
+
+
+@native
+@pytest.mark.parametrize("bias", [False, True])
+def test_streaming_linear_calls_the_float_kernel_for_a_few_tokens(bias):
+    """2 to STREAMING_TOKENS["float kernel"] tokens take the kernel, eagerly and compiled (one graph, the same
+    floats); one token compiled takes the streaming formula, more tokens, or a product autograd records, MKL's."""
+    torch.manual_seed(0)
+    reference = nn.Linear(48, 80, bias=bias)
+    layer = StreamingLinear.from_linear(copy.deepcopy(reference))
+    assert type(layer) is StreamingLinear and layer.native
+    limit = STREAMING_TOKENS["float kernel"]
+    for shape, kernel in [((2, 48), True), ((4, 2, 48), True), ((limit, 48), True), ((limit + 1, 48), False)]:
+        x = torch.randn(shape)
+        with torch.no_grad(), CalledOps() as called:
+            eager = layer(x)
+        assert ("hf_tfm.float_linear" in called) is kernel, (shape, called)
+        with torch.no_grad():
+            expected = reference(x)
+            torch._dynamo.reset()
+            counters.clear()
+            compiled = torch.compile(layer, fullgraph=True)(x)
+        assert not counters["graph_break"]
+        torch.testing.assert_close(eager, expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(compiled, eager) if kernel else torch.allclose(compiled, expected, rtol=1e-5, atol=1e-5)
+    x = torch.randn(3, 48, requires_grad=True)
+    with CalledOps() as called:
+        layer(x).sum().backward()
+    assert "hf_tfm.float_linear" not in called and x.grad is not None
 
 
 def test_int4_packing_round_trips():
@@ -153,12 +222,13 @@ def test_decode_attention_is_sdpa_for_one_query(kv_heads):
 
 
 def test_kernel_can_be_turned_off():
-    """HF_TFM_NATIVE_KERNELS=0: no kernel, and layers keep the compiled formula."""
+    """HF_TFM_NATIVE_KERNELS=0: no kernels; integer layers keep the compiled formula, float ones MKL's product."""
     code = (
-        "import torch; from hf_tfm.kernels import int_linear_available; from hf_tfm.inference import "
-        "Int8StreamingLinear; q = Int8StreamingLinear.from_linear(torch.nn.Linear(128, 8), bits=4); "
-        "print(int_linear_available(), q.native, q.bits)"
+        "import torch; from hf_tfm.kernels import native_kernels_available; from hf_tfm.inference import "
+        "Int8StreamingLinear, StreamingLinear; q = Int8StreamingLinear.from_linear(torch.nn.Linear(128, 8), bits=4); "
+        "f = StreamingLinear.from_linear(torch.nn.Linear(128, 8)); "
+        "print(native_kernels_available(), q.native, q.bits, f.native)"
     )
     env = {**os.environ, "HF_TFM_NATIVE_KERNELS": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "False", "8"]
+    assert out.split() == ["False", "False", "8", "False"]
