@@ -79,6 +79,15 @@ def test_kernel_refuses_what_it_cannot_compute():
         torch.ops.hf_tfm.int_linear(x.double(), torch.zeros(4, 128, dtype=torch.int8), scale, 8)
 
 
+def compiled_in_one_graph(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` compiled afresh, in one graph."""
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(module, fullgraph=True)(x)
+    assert not counters["graph_break"]
+    return out
+
+
 class CalledOps(TorchDispatchMode):
     """The operators a block of code runs, as the dispatcher sees them."""
 
@@ -134,10 +143,7 @@ def test_streaming_linear_calls_the_float_kernel_for_a_few_tokens(bias):
         assert ("hf_tfm.float_linear" in called) is kernel, (shape, called)
         with torch.no_grad():
             expected = reference(x)
-            torch._dynamo.reset()
-            counters.clear()
-            compiled = torch.compile(layer, fullgraph=True)(x)
-        assert not counters["graph_break"]
+            compiled = compiled_in_one_graph(layer, x)
         torch.testing.assert_close(eager, expected, rtol=1e-5, atol=1e-5)
         assert torch.equal(compiled, eager) if kernel else torch.allclose(compiled, expected, rtol=1e-5, atol=1e-5)
     x = torch.randn(3, 48, requires_grad=True)
@@ -170,10 +176,7 @@ def test_layers_call_the_kernel_eagerly_and_compiled(bits):
     dequantized = q.integers().float().unflatten(1, (2, 128)).mul(q.weight_scale[..., None]).flatten(1)
     with torch.no_grad():
         eager = q(x)
-        torch._dynamo.reset()
-        counters.clear()
-        compiled = torch.compile(q, fullgraph=True)(x)
-        assert not counters["graph_break"]
+        compiled = compiled_in_one_graph(q, x)
         many = q(torch.cat([x, torch.randn(30, 256)]))[:3]  # a prompt's worth: each token on its own
         exact = nn.functional.linear(x, dequantized, layer.bias)
     assert torch.equal(eager, compiled) and torch.equal(eager, many)
