@@ -448,12 +448,16 @@ class TfmMLP(nn.Module):
         self.gate_up_proj: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.is_glu:
+            return self.down_proj(self.act_fn(self.up_proj(x)))
+        gate, up = self._gate_up(x)
+        return self.down_proj(self.act_fn(gate) * up)
+
+    def _gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """gate's and up's outputs: one product where decoding fused the layers."""
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(self.act_fn(gate) * up)
-        if self.is_glu:
-            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(self.act_fn(self.up_proj(x)))
+            return self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.gate_proj(x), self.up_proj(x)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
