@@ -616,12 +616,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .quantization import QuantizationUnavailableError
 
     _require_model_dir(args.model)
+    if args.aot and (not args.greedy or args.repetition_penalty is not None):
+        raise CliError("--aot decodes greedily: add --greedy (and leave out --repetition-penalty)")
     tokenizer = _load_tokenizer(args.model)
     if args.quantize:  # bitsandbytes logs a line per matmul (input casts) and one for an optional Hub kernel
         logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
         # hf_tfm's own int8 is made for the compiled step
-        compile = args.compile or args.quantize in NATIVE_QUANTIZATION
+        compile = args.compile or args.aot or args.quantize in NATIVE_QUANTIZATION
         model = load_for_inference(args.model, quantize=args.quantize, compile=compile, dtype=args.dtype)
     except (QuantizationUnavailableError, ValueError) as err:
         raise CliError(str(err)) from err
@@ -637,8 +639,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     inputs = tokenizer(args.prompt, return_tensors="pt")
     inputs.pop("token_type_ids", None)
     streamer = None if args.no_stream else TextStreamer(tokenizer, skip_special_tokens=True)
-    with torch.no_grad():
-        output = model.generate(**inputs, streamer=streamer, **options)
+    if args.aot:
+        from .aot import AotDecoder
+
+        ids = inputs["input_ids"]
+        try:
+            decoder = AotDecoder(model, ids.shape[1] + args.max_new_tokens)
+        except ValueError as err:
+            raise CliError(str(err)) from err
+        output = decoder.generate(ids, args.max_new_tokens, streamer=streamer)
+    else:
+        with torch.no_grad():
+            output = model.generate(**inputs, streamer=streamer, **options)
     if args.no_stream:
         print(tokenizer.decode(output[0], skip_special_tokens=True))
     return 0
@@ -984,6 +996,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="decode with a static cache and a compiled step (hf_tfm.load_for_inference); compiling takes seconds "
         f"to a minute first (docs/fast-inference.md); always on with --quantize {'/'.join(NATIVE_QUANTIZATION)}",
+    )
+    p.add_argument(
+        "--aot",
+        action="store_true",
+        help="with --greedy, a causal LM: decode through a step compiled ahead of time (hf_tfm.aot.AotDecoder), "
+        "the fastest on a CPU; compiling takes 10-30 s first (docs/fast-inference.md)",
     )
     p.set_defaults(func=cmd_generate)
 

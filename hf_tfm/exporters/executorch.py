@@ -138,10 +138,11 @@ def _check_class(architecture: str, config: TfmConfig, where: str = "") -> None:
         )
 
 
-class _StaticCacheLM(torch.nn.Module):
-    """forward(input_ids (1, T), cache_position (T,)) -> logits, the KV cache a static cache kept in buffers."""
+class StaticCacheLM(torch.nn.Module):
+    """forward(input_ids (B, T), cache_position (T,)) -> logits, the KV cache a static cache kept in buffers (also the
+    step `hf_tfm.aot.AotDecoder` compiles)."""
 
-    def __init__(self, model: torch.nn.Module, max_cache_len: int) -> None:
+    def __init__(self, model: torch.nn.Module, max_cache_len: int, batch_size: int = 1) -> None:
         super().__init__()
         from transformers import StaticCache
         from transformers.cache_utils import StaticLayer
@@ -154,7 +155,9 @@ class _StaticCacheLM(torch.nn.Module):
         # Sliding layers become full-length ones: the sliding mask still applies the window, and a sliding layer's
         # roll-over is data-dependent control flow that does not export.
         self.cache.layers = [StaticLayer(max_cache_len) for _ in self.cache.layers]
-        self.cache.early_initialization(1, config.num_key_value_heads, config.head_dim, model.dtype, model.device)
+        self.cache.early_initialization(
+            batch_size, config.num_key_value_heads, config.head_dim, model.dtype, model.device
+        )
         for i, layer in enumerate(self.cache.layers):
             self.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
             self.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
@@ -192,7 +195,7 @@ def _all_experts(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index
 
 
 @contextmanager
-def _exportable(model: torch.nn.Module) -> Iterator[None]:
+def exportable(model: torch.nn.Module) -> Iterator[None]:
     """The model as the capture needs it (SDPA attention, experts without data-dependent shapes), restored after."""
     attention = model.config._attn_implementation
     experts = [m for m in model.modules() if type(m).__name__ == "TfmExperts"]
@@ -212,8 +215,8 @@ def _exportable(model: torch.nn.Module) -> Iterator[None]:
 def _lower(model: torch.nn.Module, max_cache_len: int) -> Any:
     """The `ExecutorchProgramManager` of the model's generation program."""
     to_edge_transform_and_lower, partitioner_class = _import_executorch()
-    with _exportable(model), torch.no_grad():
-        module = _StaticCacheLM(model, max_cache_len).eval()
+    with exportable(model), torch.no_grad():
+        module = StaticCacheLM(model, max_cache_len).eval()
         # A sample of 2+ tokens keeps T dynamic (torch.export specialises a dimension whose sample size is 0 or 1).
         sample = min(4, max_cache_len)
         length = torch.export.Dim("tokens", min=1, max=max_cache_len)
@@ -273,7 +276,7 @@ def _lower_encoder(model: torch.nn.Module) -> tuple[Any, list[str]]:
     mask = torch.ones_like(ids)
     mask[1, 4:] = 0
     sample = dict(zip(_encoder_inputs(config), (ids, mask, torch.zeros_like(ids)), strict=False))
-    with _exportable(model), torch.no_grad():
+    with exportable(model), torch.no_grad():
         out = model(**sample)
         names = [name for name, value in out.items() if isinstance(value, torch.Tensor) and name != "router_logits"]
         batch = torch.export.Dim("batch", min=1, max=1024)
