@@ -1281,6 +1281,9 @@ RUNTIME_SETTINGS = {
         "q4",
         "load_for_inference(quantize='q4'): int4 (int8 lm_head), hf_tfm's VNNI kernel",
     ),
+    "hf_tfm fp32 aot": ("hf_tfm+aot", None, "hf_tfm.aot.AotDecoder: load_for_inference()'s model, AOTInductor step"),
+    "hf_tfm q8 aot": ("hf_tfm+aot", "q8", "AotDecoder over load_for_inference(quantize='q8')"),
+    "hf_tfm q4 aot": ("hf_tfm+aot", "q4", "AotDecoder over load_for_inference(quantize='q4')"),
     "hf_tfm w4a16 compiled": (
         "hf_tfm+compile",
         CALIBRATED,

@@ -62,6 +62,27 @@ def _hf_tfm_compiled(path: str, prompts: list[list[int]], threads: int, quantize
     return _hf_tfm(path, prompts, threads, quantize, compile=True)
 
 
+def _hf_tfm_aot(path: str, prompts: list[list[int]], threads: int, quantize: str | None = None):
+    import torch
+
+    from hf_tfm import load_for_inference
+    from hf_tfm.aot import AotDecoder
+
+    torch.set_num_threads(threads)
+    ids = torch.tensor(prompts)
+    model = load_for_inference(path, quantize=quantize)
+    decoders = {}  # per max_length: each run's prompt plus its new tokens, the static cache generate() would make
+
+    def run(new: int) -> float:
+        if new not in decoders:
+            decoders[new] = AotDecoder(model, ids.shape[1] + new, batch_size=len(ids))
+        clock = StepClock()
+        decoders[new].generate(ids, new, eos_token_id=[], streamer=clock)  # no end token: `new` tokens, as the others
+        return clock.step_seconds(new)
+
+    return run
+
+
 def _onnx(path: str, prompts: list[list[int]], threads: int):
     sys.path.insert(0, path)  # the export's own runner, as a deployment uses it
     from ort_generate import OnnxGenerator
@@ -147,6 +168,7 @@ def _llama_cpp(path: str, prompts: list[list[int]], threads: int):
 RUNNERS = {
     "hf_tfm": _hf_tfm,
     "hf_tfm+compile": _hf_tfm_compiled,
+    "hf_tfm+aot": _hf_tfm_aot,
     "onnx": _onnx,
     "ctranslate2": _ctranslate2,
     "gguf": _llama_cpp,
