@@ -92,9 +92,10 @@ class AotDecoder:
             )
         config = self.model.generation_config
         eos = config.eos_token_id if eos_token_id is None else eos_token_id
-        eos = torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else list(eos), dtype=torch.long)
-        pad = config.pad_token_id if config.pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
         device = self.model.device
+        ends = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
         input_ids = input_ids.to(device)
         if streamer is not None:
             streamer.put(input_ids.cpu())
@@ -104,12 +105,14 @@ class AotDecoder:
         unfinished = torch.ones(batch, dtype=torch.bool, device=device)
         tokens = []
         for step in range(max_new_tokens):
-            token = torch.where(unfinished, logits.argmax(-1), pad)  # (B,)
+            token = logits.argmax(-1)  # (B,)
+            if ends is not None:  # a finished sequence gets the pad token
+                token = torch.where(unfinished, token, pad)
+                unfinished &= ~torch.isin(token, ends)
             tokens.append(token)
             if streamer is not None:
                 streamer.put(token.cpu())
-            unfinished &= ~torch.isin(token, eos.to(device))
-            if step == max_new_tokens - 1 or not unfinished.any():
+            if step == max_new_tokens - 1 or (ends is not None and not unfinished.any()):
                 break
             logits = self.compiled.loader.boxed_run([token[:, None], position])[0][:, -1]  # (B, vocab)
             position += 1

@@ -177,7 +177,7 @@ def test_bench_runtimes_tiny(tmp_path):
     bench = load_bench()
     threads = torch.get_num_threads()
     out_path, charts = tmp_path / "runtimes.json", tmp_path / "charts"
-    settings = "onnx_int8,ct2_float32,hf_tfm_int4_compiled"
+    settings = "onnx_int8,ct2_float32,hf_tfm_int4_compiled,hf_tfm_q4_aot"
     pytest.importorskip("torchao")
     argv = ["--size", "tiny", "--runtimes", settings, "--rounds", "1", "--threads", "1"]
     try:
@@ -186,7 +186,8 @@ def test_bench_runtimes_tiny(tmp_path):
         torch.set_num_threads(threads)
     out = json.loads(out_path.read_text())
     rows = {r["setting"]: r for r in out["runtimes"]}
-    assert list(rows) == ["hf_tfm fp32", "onnx int8", "ct2 float32", "hf_tfm int4 compiled"]  # the reference first
+    # the reference first
+    assert list(rows) == ["hf_tfm fp32", "onnx int8", "ct2 float32", "hf_tfm int4 compiled", "hf_tfm q4 aot"]
     for name, r in rows.items():
         assert "error" not in r, r
         assert r["weight_bytes_per_step"] > 0
@@ -196,6 +197,7 @@ def test_bench_runtimes_tiny(tmp_path):
     assert rows["onnx int8"]["weight_bytes_per_step"] < rows["ct2 float32"]["weight_bytes_per_step"]
     # int4 weights with bf16 around them: fewer bytes than fp32 (the tiny model's embeddings dominate both)
     assert rows["hf_tfm int4 compiled"]["weight_bytes_per_step"] < rows["hf_tfm fp32"]["weight_bytes_per_step"]
+    assert rows["hf_tfm q4 aot"]["weight_bytes_per_step"] < rows["hf_tfm fp32"]["weight_bytes_per_step"]
     assert "| tiny | onnx int8 |" in out["markdown"]
     assert_charts([charts / "runtimes.png"])
 
