@@ -14,7 +14,10 @@ user-managed constants), so nothing is copied; the prompt runs through the eager
 
 What it gives up for that: greedy decoding only (sampling, beams and logits processors stay with `generate()`), a
 fixed batch of equal-length prompts (no padding mask) and a fixed `max_length`, each chosen at construction, and the
-thread count of the process at construction (Inductor writes it into the library).
+thread count of the process at construction (Inductor writes it into the library). The library holds pointers to the
+model's tensors: after replacing them (new parameters, `.to()` another device or dtype), build a new decoder. A
+mixture-of-experts step runs every expert, weighted by its routing weight (zero where not chosen), because routing's
+data-dependent shapes do not export; it gives the routed tokens, at the cost of the unchosen experts' reads.
 """
 
 import tempfile

@@ -43,6 +43,15 @@ def test_aot_greedy_equals_generate_and_stops_where_generate_stops(quantize, tmp
     assert torch.equal(pair.generate(PROMPTS, NEW_TOKENS, eos_token_id=end), stopped)
 
 
+def test_aot_mixture_of_experts_decodes_generate_s_tokens(tmp_path):
+    """A mixture-of-experts step exports with every expert run and weighted by its routing weight (zero where not
+    chosen, as the ExecuTorch export does): the same greedy tokens as `generate()`'s routed experts."""
+    trained({"num_experts": 4, "num_experts_per_tok": 2}).save_pretrained(tmp_path)
+    model = load_for_inference(tmp_path, compile=False)
+    expected = model.generate(PROMPTS[:1], max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
+    assert torch.equal(AotDecoder(model, MAX_LENGTH).generate(PROMPTS[:1], NEW_TOKENS, eos_token_id=[]), expected)
+
+
 def test_aot_decoder_refuses_what_it_was_not_compiled_for(tmp_path):
     trained({}).save_pretrained(tmp_path)
     model = load_for_inference(tmp_path, compile=False)
