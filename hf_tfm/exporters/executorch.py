@@ -195,12 +195,14 @@ def _all_experts(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index
 
 
 @contextmanager
-def exportable(model: torch.nn.Module) -> Iterator[None]:
-    """The model as the capture needs it (SDPA attention, experts without data-dependent shapes), restored after."""
-    attention = model.config._attn_implementation
+def exportable(model: torch.nn.Module, attention: str | None = None) -> Iterator[None]:
+    """The model as the capture needs it (experts without data-dependent shapes; `attention`, by default the model's
+    own where it is SDPA or eager and SDPA otherwise), restored after."""
+    original = model.config._attn_implementation
+    attention = attention or (original if original in ("sdpa", "eager") else "sdpa")
     experts = [m for m in model.modules() if type(m).__name__ == "TfmExperts"]
-    if attention not in ("sdpa", "eager"):
-        model.set_attn_implementation("sdpa")
+    if attention != original:
+        model.set_attn_implementation(attention)
     for module in experts:
         module.forward = MethodType(_all_experts, module)
     try:
@@ -208,8 +210,8 @@ def exportable(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for module in experts:
             del module.forward
-        if model.config._attn_implementation != attention:
-            model.set_attn_implementation(attention)
+        if model.config._attn_implementation != original:
+            model.set_attn_implementation(original)
 
 
 def _lower(model: torch.nn.Module, max_cache_len: int) -> Any:
