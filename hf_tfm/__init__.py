@@ -15,7 +15,7 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
-from .configuration import TfmConfig, TfmSeq2SeqConfig
+from .configuration import TfmConfig, TfmDecoderConfig, TfmEncoderConfig, TfmSeq2SeqConfig
 
 # Imported eagerly, unlike `convert` below: it needs nothing beyond `modeling`, and the function shares its module's
 # name, so a lazy `__getattr__` would lose to the submodule (`import hf_tfm.from_torch` sets `hf_tfm.from_torch`).
@@ -29,6 +29,7 @@ from .modeling import (
     TfmForSequenceClassification,
     TfmForTokenClassification,
     TfmModel,
+    TfmMoeModel,
     TfmPreTrainedModel,
     TfmSeq2SeqModel,
 )
@@ -79,6 +80,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "TfmConfig",
+    "TfmDecoderConfig",
+    "TfmEncoderConfig",
     "TfmForCausalLM",
     "TfmForConditionalGeneration",
     "TfmForMaskedLM",
@@ -86,6 +89,7 @@ __all__ = [
     "TfmForSequenceClassification",
     "TfmForTokenClassification",
     "TfmModel",
+    "TfmMoeModel",
     "TfmPreTrainedModel",
     "TfmSeq2SeqConfig",
     "TfmSeq2SeqModel",

@@ -119,6 +119,39 @@ def _warn_unknown_keys(config: PreTrainedConfig, keys) -> None:
 
 
 @strict
+@dataclasses.dataclass(kw_only=True)
+class TfmExpertKnobs:
+    """The mixture-of-experts knobs of a `TfmConfig` with `num_experts` set: attributes of such a config, and of no
+    other. Generic tools read their presence as "this model has experts", as in-tree configs carry them only in MoE
+    families (Mixtral, Qwen2-MoE, OLMoE): TRL asks a model whose config has `output_router_logits` for its router
+    logits and feeds them to the load-balancing loss, and counts FLOPs per expert when it has `num_experts_per_tok`.
+    A dense config therefore has none of them: passed to one (or read from a config.json saved before this split),
+    they are dropped, with a warning where a value differs from the default. `TfmConfig(num_experts=N, ...)` takes
+    them as keyword arguments, typed and defaulted here."""
+
+    # --- mixture of experts
+    num_experts_per_tok: int = 2  # top-k: the experts each token runs, in [1, num_experts]
+    moe_intermediate_size: int | None = None  # each expert's width; None: `intermediate_size`
+    # Width of a sigmoid-gated dense expert every token uses besides the routed ones (Qwen2-MoE); None: no such expert.
+    shared_expert_intermediate_size: int | None = None
+    norm_topk_prob: bool = True  # renormalise the top-k probabilities to sum to 1 (Mixtral; Qwen2-MoE, OLMoE: False)
+    router_weights_fp32: bool = False  # scale expert outputs by fp32 routing weights (Mixtral), else the hidden dtype
+    router_jitter_noise: float = 0.0  # in [0, 1); training only: the block's input times U(1 - noise, 1 + noise)
+    mlp_only_layers: list[int] | None = None  # indices of layers that keep the dense feed-forward
+    decoder_sparse_step: int = 1  # every step-th layer is sparse: (i + 1) % step == 0 (Qwen2-MoE; encoders too)
+    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss the heads add to their loss
+    output_router_logits: bool = False  # return the router logits and add that loss (`aux_loss`) without being asked
+
+
+EXPERT_KNOBS = {field.name: field.default for field in dataclasses.fields(TfmExpertKnobs)}
+
+
+def expert_knobs(config: "TfmConfig") -> dict:
+    """The expert knobs of `config` by name: empty for a dense config, which has none."""
+    return {name: getattr(config, name) for name in EXPERT_KNOBS if hasattr(config, name)}
+
+
+@strict
 class TfmConfig(PreTrainedConfig):
     r"""Configuration of an hf_tfm transformer: encoder (`is_causal=False`) or decoder (`is_causal=True`).
 
@@ -129,6 +162,7 @@ class TfmConfig(PreTrainedConfig):
 
     model_type = "hf_tfm"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the output field's name on newer / older releases
+    _pair_side = None  # the side of a seq2seq folder `from_pretrained` reads: a side class's (see `get_config_dict`)
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
@@ -160,8 +194,10 @@ class TfmConfig(PreTrainedConfig):
     # transformers' RoPE dict (the v5 field): `rope_theta`, `rope_type` (default, linear, dynamic, yarn, llama3, ...)
     # and that type's scaling keys; None: {"rope_type": "default", "rope_theta": 10000.0}. Or nested, one such dict
     # per layer type ({"full_attention": {...}, "sliding_attention": {...}}): each layer type gets its own RoPE
-    # (ModernBERT: theta 160k on full layers, 10k on sliding ones). See `rope_per_layer_type`.
-    rope_parameters: RopeParameters | dict | None = None
+    # (ModernBERT: theta 160k on full layers, 10k on sliding ones). See `rope_per_layer_type`. A config without RoPE
+    # has no `rope_parameters` attribute, as in-tree configs without RoPE (GPT-2, BERT, BART) have none: tools read
+    # its presence as "RoPE, which can be scaled".
+    rope_parameters: RopeParameters | dict | None = dataclasses.field(default_factory=lambda: None)
     type_vocab_size: int = 0  # > 0 adds BERT-style token type (segment) embeddings, with this many types
     # Learned positions only: position p reads row p + offset, so the table has max_position_embeddings + offset rows
     # (BART and mBART keep two unused rows in front, a fairseq legacy).
@@ -196,19 +232,10 @@ class TfmConfig(PreTrainedConfig):
 
     # --- mixture of experts: a router sends each token to its top-k gated (glu) experts; names as in Qwen2-MoE/Mixtral
     # Experts in each sparse layer (Switch Transformer arXiv:2101.03961, Mixtral arXiv:2401.04088). None: every layer
-    # has the dense feed-forward. `is_sparse_layer(i)` says which layers have experts.
+    # has the dense feed-forward, and the config has none of the expert knobs below (`TfmExpertKnobs`): in-tree dense
+    # configs have none, and tools read their presence as "this model has experts". `is_sparse_layer(i)` says which
+    # layers have experts.
     num_experts: int | None = None
-    num_experts_per_tok: int = 2  # top-k: the experts each token runs, in [1, num_experts]
-    moe_intermediate_size: int | None = None  # each expert's width; None: `intermediate_size`
-    # Width of a sigmoid-gated dense expert every token uses besides the routed ones (Qwen2-MoE); None: no such expert.
-    shared_expert_intermediate_size: int | None = None
-    norm_topk_prob: bool = True  # renormalise the top-k probabilities to sum to 1 (Mixtral; Qwen2-MoE, OLMoE: False)
-    router_weights_fp32: bool = False  # scale expert outputs by fp32 routing weights (Mixtral), else the hidden dtype
-    router_jitter_noise: float = 0.0  # in [0, 1); training only: the block's input times U(1 - noise, 1 + noise)
-    mlp_only_layers: list[int] | None = None  # indices of layers that keep the dense feed-forward
-    decoder_sparse_step: int = 1  # every step-th layer is sparse: (i + 1) % step == 0 (Qwen2-MoE; encoders too)
-    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss the heads add to their loss
-    output_router_logits: bool = False  # return the router logits and add that loss (`aux_loss`) without being asked
 
     # --- attention
     attention_bias: bool = False  # bias on q/k/v projections
@@ -258,6 +285,7 @@ class TfmConfig(PreTrainedConfig):
     use_cache: bool = True  # decoders return and reuse a KV cache by default (generation); encoders build none
 
     def __post_init__(self, **kwargs):
+        experts = {name: kwargs.pop(name) for name in EXPERT_KNOBS if name in kwargs}
         _warn_unknown_keys(self, kwargs)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
@@ -270,8 +298,9 @@ class TfmConfig(PreTrainedConfig):
                 self.intermediate_size = 4 * self.hidden_size
         if self.attention_out_bias is None:
             self.attention_out_bias = self.attention_bias
-        if self.num_experts is not None and self.moe_intermediate_size is None:
-            self.moe_intermediate_size = self.intermediate_size
+        self._set_expert_knobs(experts)
+        if self.position_embedding_type != "rope":
+            self._drop_rope_parameters(kwargs)
         if self.classifier_pooling is None:
             self.classifier_pooling = "last" if self.is_causal else "first"
         if self.final_norm is None:
@@ -320,12 +349,6 @@ class TfmConfig(PreTrainedConfig):
             raise ValueError("`layer_types` has 'sliding_attention' layers but `sliding_window` is None.")
         if self.sliding_window is not None and "sliding_attention" not in self.layer_types:
             _no_effect("sliding_window", self.sliding_window, "`layer_types` has no 'sliding_attention' layer")
-        if self.position_embedding_type != "rope" and self.rope_parameters:
-            entries = self.rope_parameters.values() if self.rope_per_layer_type else [self.rope_parameters]
-            scaled = sorted({p.get("rope_type", "default") for p in entries if p} - {"default"})
-            if scaled:  # the default, unscaled parameters are every config's default: unused, and not worth a word
-                why = f"`position_embedding_type`={self.position_embedding_type!r} has no RoPE to scale"
-                _no_effect("rope_parameters", f"RoPE scaling {', '.join(scaled)}", why)
         if not self.first_layer_attn_norm and self.norm_position != "pre":
             raise ValueError("`first_layer_attn_norm=False` needs `norm_position='pre'` (a post-norm is the output).")
         if self.parallel_residual and self.norm_position == "post":
@@ -366,21 +389,45 @@ class TfmConfig(PreTrainedConfig):
         self._validate_moe()
         self._validate_attn_implementation(self._attn_implementation)
 
-    def _validate_moe(self) -> None:
-        """The mixture-of-experts knobs: sizes, top-k, sparse layers; none of them set on a dense config."""
+    def _drop_rope_parameters(self, kwargs: dict) -> None:
+        """A config without RoPE keeps no `rope_parameters`, nor the legacy `rope_theta` / `rope_scaling` keys (every
+        config saved before this change holds the default dict); RoPE scaling asked of it has no effect, and is said.
+        """
+        params = self.__dict__.pop("rope_parameters", None)
+        legacy = kwargs.pop("rope_scaling", None)
+        kwargs.pop("rope_theta", None)
+        nested = isinstance(params, dict) and any(key in LAYER_TYPES for key in params)
+        entries = [*(params.values() if nested else [params]), legacy]
+        scaled = sorted({p.get("rope_type", p.get("type", "default")) for p in entries if p} - {"default"})
+        if scaled:  # the default, unscaled parameters are every old config's: unused, and not worth a word
+            why = f"`position_embedding_type`={self.position_embedding_type!r} has no RoPE to scale"
+            _no_effect("rope_parameters", f"RoPE scaling {', '.join(scaled)}", why)
+
+    def _set_expert_knobs(self, experts: dict) -> None:
+        """Give a config with experts its knobs (typed, with their defaults); drop them from a dense one."""
         if self.num_experts is None:
-            ignored = {
-                "moe_intermediate_size": None,
-                "shared_expert_intermediate_size": None,
-                "mlp_only_layers": None,
-                "decoder_sparse_step": 1,
-                "router_weights_fp32": False,
-                "router_jitter_noise": 0.0,
-                "output_router_logits": False,
-            }
-            for name, default in ignored.items():
-                if getattr(self, name) not in (default, []):  # [] and None: no dense-only layers
-                    _no_effect(name, getattr(self, name), "`num_experts` is None: no layer has experts")
+            for name, value in experts.items():
+                if value not in (EXPERT_KNOBS[name], []):  # [] and None: no dense-only layers
+                    _no_effect(name, value, "`num_experts` is None: no layer has experts, and the knob is dropped")
+            return
+        for name, value in vars(TfmExpertKnobs(**experts)).items():
+            setattr(self, name, value)
+        if self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
+
+    def __eq__(self, other: object) -> bool:
+        # The dataclass' comparison of the fields, and the expert knobs, which are attributes but not fields.
+        return (
+            type(other) is type(self)
+            and all(getattr(self, f.name, None) == getattr(other, f.name, None) for f in dataclasses.fields(self))
+            and expert_knobs(self) == expert_knobs(other)
+        )
+
+    __hash__ = None  # mutable, as every dataclass that compares by value
+
+    def _validate_moe(self) -> None:
+        """The mixture-of-experts knobs: sizes, top-k, sparse layers."""
+        if self.num_experts is None:
             return
         if self.num_experts <= 0:
             raise ValueError(f"`num_experts` must be positive or None (dense), got {self.num_experts}.")
@@ -432,6 +479,26 @@ class TfmConfig(PreTrainedConfig):
     def from_json_file(cls, json_file) -> "TfmConfig":
         """`PreTrainedConfig.from_json_file`, reading configs saved by older hf_tfm."""
         return cls(**upgrade_saved_config(cls._dict_from_json_file(json_file)))
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict, dict]:
+        """`PreTrainedConfig.get_config_dict` (the path of `from_pretrained`), reading one side of an encoder-decoder.
+
+        A seq2seq folder holds two `TfmConfig`s. transformers would give the last dict of this model_type, the
+        decoder's, for either: a side class (`TfmEncoderConfig`, `TfmDecoderConfig`) reads its own side, and
+        `TfmConfig` refuses to guess.
+        """
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if config_dict.get("model_type") == TfmSeq2SeqConfig.model_type:
+            if cls._pair_side is None:
+                raise ValueError(
+                    f"{pretrained_model_name_or_path} holds an encoder-decoder pair (model_type "
+                    f"{TfmSeq2SeqConfig.model_type!r}), and {cls.__name__} cannot tell which side to read: load the "
+                    "pair with `TfmSeq2SeqConfig.from_pretrained` (then `.encoder` or `.decoder`), or one side with "
+                    "`TfmEncoderConfig.from_pretrained` / `TfmDecoderConfig.from_pretrained`."
+                )
+            config_dict = config_dict[cls._pair_side]
+        return config_dict, kwargs
 
     def convert_rope_params_to_dict(self, **kwargs) -> dict:
         """transformers' RoPE standardisation; a `rope_parameters` nested by layer type stays nested on every release.
@@ -486,7 +553,8 @@ class TfmConfig(PreTrainedConfig):
     @property
     def rope_per_layer_type(self) -> bool:
         """True when `rope_parameters` is nested by layer type (one RoPE per entry of `layer_types`)."""
-        return bool(self.rope_parameters) and any(key in LAYER_TYPES for key in self.rope_parameters)
+        params = getattr(self, "rope_parameters", None)
+        return bool(params) and any(key in LAYER_TYPES for key in params)
 
     def is_sparse_layer(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` has a mixture-of-experts feed-forward (Qwen2-MoE's rule) or the dense one."""
@@ -501,6 +569,28 @@ class TfmConfig(PreTrainedConfig):
     def num_kv_groups(self) -> int:
         """How many query heads share one key/value head."""
         return self.num_attention_heads // self.num_key_value_heads
+
+
+@strict
+class TfmEncoderConfig(TfmConfig):
+    """The encoder side of a `TfmSeq2SeqConfig`: a `TfmConfig`, bidirectional by default. `from_pretrained` reads the
+    encoder of a pair's folder, or a side saved alone."""
+
+    _pair_side = "encoder"
+    __eq__ = TfmConfig.__eq__  # not the dataclass' own, which would miss the expert knobs
+    __hash__ = None
+    is_causal: bool = False
+
+
+@strict
+class TfmDecoderConfig(TfmConfig):
+    """The decoder side of a `TfmSeq2SeqConfig`: a `TfmConfig`, causal and cross-attending by default.
+    `from_pretrained` reads the decoder of a pair's folder, or a side saved alone."""
+
+    _pair_side = "decoder"
+    __eq__ = TfmConfig.__eq__
+    __hash__ = None
+    add_cross_attention: bool = True
 
 
 def upgrade_saved_config(config_dict: dict) -> dict:
@@ -538,7 +628,7 @@ class TfmSeq2SeqConfig(PreTrainedConfig):
     """
 
     model_type = "hf_tfm_seq2seq"
-    sub_configs = {"encoder": TfmConfig, "decoder": TfmConfig}
+    sub_configs = {"encoder": TfmEncoderConfig, "decoder": TfmDecoderConfig}
     keys_to_ignore_at_inference = ["cache", "past_key_values"]
 
     # --- encoder-decoder: `encoder` and `decoder` are `TfmConfig`s, so every knob above works on either side
@@ -630,7 +720,7 @@ def _side_config(value: TfmConfig | dict | None, name: str, decoder: bool) -> Tf
         fields = dict(value or {})
         fields.setdefault("is_causal", decoder)
         fields.setdefault("add_cross_attention", decoder)
-        value = TfmConfig(**fields)
+        value = (TfmDecoderConfig if decoder else TfmEncoderConfig)(**fields)
     for knob in ("is_causal", "add_cross_attention"):
         if getattr(value, knob) != decoder:
             raise ValueError(f"`{name}.{knob}` must be {decoder} in a TfmSeq2SeqConfig, got {getattr(value, knob)}.")
@@ -640,6 +730,7 @@ def _side_config(value: TfmConfig | dict | None, name: str, decoder: bool) -> Tf
 def _mirror_as_decoder(encoder: TfmConfig) -> dict:
     """The encoder's knobs as a decoder's: causal, with cross-attention, and the pooling re-derived for a decoder."""
     fields = {f.name: getattr(encoder, f.name) for f in dataclasses.fields(TfmConfig) if f.name in TfmConfig.__dict__}
+    fields |= expert_knobs(encoder)
     return {**fields, "is_causal": True, "add_cross_attention": True, "classifier_pooling": None}
 
 
@@ -656,7 +747,17 @@ def _raise_value_errors(init):
     return wrapper
 
 
-TfmConfig.__init__ = _raise_value_errors(TfmConfig.__init__)
+for _config_class in (TfmConfig, TfmEncoderConfig, TfmDecoderConfig):
+    _config_class.__init__ = _raise_value_errors(_config_class.__init__)
 TfmSeq2SeqConfig.__init__ = _raise_value_errors(TfmSeq2SeqConfig.__init__)
 
-__all__ = ["TfmConfig", "TfmSeq2SeqConfig", "upgrade_saved_config"]
+__all__ = [
+    "EXPERT_KNOBS",
+    "TfmConfig",
+    "TfmDecoderConfig",
+    "TfmEncoderConfig",
+    "TfmExpertKnobs",
+    "TfmSeq2SeqConfig",
+    "expert_knobs",
+    "upgrade_saved_config",
+]

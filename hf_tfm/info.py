@@ -42,6 +42,7 @@ def _load(target: str) -> tuple[TfmConfig | TfmSeq2SeqConfig, str, str]:
         )
     config = load_config(config_file)
     architecture = (raw.get("architectures") or [_default_head(config)])[0]
+    architecture = "TfmModel" if architecture == "TfmMoeModel" else architecture  # the backbone, with experts
     if not hasattr(modeling, architecture):
         architecture = _default_head(config)
     return config, f"{'folder' if path.is_dir() else 'config file'} {target}", architecture

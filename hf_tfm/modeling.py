@@ -660,14 +660,6 @@ MOE_OUTPUTS = {
     MaskedLMOutput: TfmMoeMaskedLMOutput,
 }
 
-# Checkpoints store the experts one by one (`mlp.experts.N.gate_proj.weight`, ...: the layout Qwen2-MoE, OLMoE and
-# Qwen3-MoE publish) and load back into the fused parameters. transformers converts a custom model's weights only when
-# its model_type is registered, and one layout per model_type (two collide on save). Dense checkpoints have no expert
-# keys and are unchanged. `overwrite`: remote-code copies of this file register again.
-register_checkpoint_conversion_mapping(
-    TfmConfig.model_type, get_checkpoint_conversion_mapping("qwen2_moe"), overwrite=True
-)
-
 
 class TfmBlock(GradientCheckpointingLayer):
     """One transformer layer. `norm_position` and `parallel_residual` choose the residual layout, here only.
@@ -1060,6 +1052,12 @@ def _check_ids(ids: torch.Tensor, limit: int, name: str, knob: str) -> None:
 class TfmModel(TfmPreTrainedModel):
     """The backbone: embeddings, `num_hidden_layers` blocks and (pre-norm) a final norm. Encoder or decoder."""
 
+    def __new__(cls, config: TfmConfig | None = None, *args, **kwargs) -> "TfmModel":
+        # A backbone with experts is a `TfmMoeModel` wherever it is built: bare, under a head or a seq2seq side.
+        if cls is TfmModel and getattr(config, "num_experts", None) is not None:
+            cls = TfmMoeModel
+        return super().__new__(cls)
+
     def __init__(self, config: TfmConfig, add_pooling_layer: bool = True) -> None:
         super().__init__(config)
         # No padding_idx: it would freeze the pad row's gradient, and GPT-2-style vocabularies use eos as pad (a
@@ -1300,6 +1298,23 @@ class TfmModel(TfmPreTrainedModel):
         return biases
 
 
+class TfmMoeModel(TfmModel):
+    """The backbone of a config with experts (`num_experts`): `TfmModel(config)` builds this class for one.
+
+    Its own class, as in-tree MoE families have theirs (Qwen2MoeModel beside Qwen2Model), for the checkpoint layout:
+    checkpoints store the experts one by one (`mlp.experts.N.gate_proj.weight`, ...: the layout Qwen2-MoE, OLMoE and
+    Qwen3-MoE publish) and load back into the fused parameters. transformers converts a custom model's weights only
+    when the class name (or model_type) of a PreTrainedModel in it is registered; registering this class keeps the
+    conversion off dense models, which have nothing to convert (in-tree dense models have none either).
+    """
+
+
+# `overwrite`: remote-code copies of this file register again.
+register_checkpoint_conversion_mapping(
+    TfmMoeModel.__name__, get_checkpoint_conversion_mapping("qwen2_moe"), overwrite=True
+)
+
+
 class TfmHeadModel(TfmPreTrainedModel):
     """What every task head shares: the backbone under `model` (built without a pooler: heads pool for themselves)."""
 
@@ -1346,9 +1361,9 @@ class TfmHeadModel(TfmPreTrainedModel):
         as Trainer counts them): the micro-batches' terms then sum to their token-weighted mean, where a plain sum
         would weigh it by the accumulation steps times the processes.
         """
+        if self.config.num_experts is None:
+            return output  # a dense model has no routers: its output class is the dense one, as in-tree Llama's
         router_logits = getattr(backbone_output, "router_logits", None)
-        if router_logits is None and self.config.num_experts is None:
-            return output  # a dense model, and no router logits asked for
         loss, aux_loss = output.get("loss"), None
         if router_logits:  # empty when no layer is sparse
             mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 else None
@@ -1821,6 +1836,7 @@ __all__ = [
     "TfmForSequenceClassification",
     "TfmForTokenClassification",
     "TfmModel",
+    "TfmMoeModel",
     "TfmPreTrainedModel",
     "TfmSeq2SeqModel",
     "TfmSeq2SeqPreTrainedModel",

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 OTHERS = sorted(
     python
     for python in ROOT.glob(".venv*/bin/python")
-    if python.parent.parent.name != ".venv-vllm" and python.parent.parent != Path(sys.prefix)
+    # vLLM's and llama.cpp's environments are runtimes' own: no hf_tfm test environment (llama.cpp's has no torch)
+    if python.parent.parent.name not in (".venv-vllm", ".venv-llama-cpp") and python.parent.parent != Path(sys.prefix)
 )
 
 pytestmark = pytest.mark.slow

@@ -10,6 +10,7 @@ from pathlib import Path
 from conftest import load_script
 
 from hf_tfm import TfmConfig, TfmSeq2SeqConfig
+from hf_tfm.configuration import TfmExpertKnobs
 
 GEN_DOCS = Path(__file__).resolve().parents[1] / "scripts" / "gen_docs.py"
 
@@ -54,7 +55,8 @@ def test_every_field_is_documented():
         for section in gen_docs.parse_sections(gen_docs.SOURCE.read_text())
         for field in section.fields
     ]
-    declared = [f"{cls.__name__}.{name}" for cls in (TfmConfig, TfmSeq2SeqConfig) for name in own_fields(cls)]
+    classes = (TfmConfig, TfmExpertKnobs, TfmSeq2SeqConfig)
+    declared = [f"{cls.__name__}.{name}" for cls in classes for name in own_fields(cls)]
     assert sorted(parsed) == sorted(declared)
 
 
@@ -97,7 +99,7 @@ def test_page_lists_every_field():
     gen_docs = load_gen_docs()
     page = gen_docs.OUTPUT.read_text()
     assert page.startswith("# Configuration reference\n")
-    for name in own_fields(TfmConfig):
+    for name in own_fields(TfmConfig) + own_fields(TfmExpertKnobs):  # the expert knobs: with num_experts
         assert f'<a id="{name}"></a>`{name}`' in page, name
     for name in own_fields(TfmSeq2SeqConfig):
         assert f'<a id="TfmSeq2SeqConfig.{name}"></a>`{name}`' in page, name

@@ -83,9 +83,84 @@ def test_dense_by_default_and_old_configs_load_dense():
     assert all(type(layer.mlp) is TfmMLP for layer in model.model.layers)
     assert not any("experts" in key or "mlp.gate." in key for key in model.state_dict())
     saved = config.to_dict()  # a config.json written before the MoE knobs existed
-    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "router_aux_loss_coef"):
-        saved.pop(key)
+    saved.pop("num_experts")
     assert TfmConfig.from_dict(saved).num_experts is None
+
+
+# Every mixture-of-experts attribute generic tools probe: TRL's trainers take `output_router_logits` (with
+# `router_aux_loss_coef`) as "this model returns router logits" and its FLOPs count `num_experts_per_tok` as "this
+# model routes"; in-tree dense configs (Llama, BERT, BART) have none of them, in-tree MoE configs have them.
+TOOL_PROBES = ("output_router_logits", "router_aux_loss_coef", "num_experts_per_tok", "num_local_experts")
+# What today's main wrote into every dense config.json before the expert knobs left dense configs: their defaults.
+SAVED_BEFORE = {
+    "num_experts": None,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": None,
+    "shared_expert_intermediate_size": None,
+    "norm_topk_prob": True,
+    "router_weights_fp32": False,
+    "router_jitter_noise": 0.0,
+    "mlp_only_layers": None,
+    "decoder_sparse_step": 1,
+    "router_aux_loss_coef": 0.001,
+    "output_router_logits": False,
+}
+
+
+def test_a_dense_config_has_no_expert_attributes_as_in_tree_dense_configs(caplog):
+    from transformers import LlamaConfig, MixtralConfig
+
+    from hf_tfm.configuration import EXPERT_KNOBS
+
+    dense, moe = tiny_config(), moe_config()
+    assert [probe for probe in TOOL_PROBES if hasattr(LlamaConfig(), probe)] == []  # the in-tree controls
+    assert [probe for probe in TOOL_PROBES if hasattr(MixtralConfig(), probe)] == list(TOOL_PROBES)
+    assert [name for name in (*EXPERT_KNOBS, *TOOL_PROBES) if hasattr(dense, name)] == []
+    assert not set(EXPERT_KNOBS) & set(dense.to_dict()), "a dense config.json must not bring them back"
+    assert all(hasattr(moe, name) for name in EXPERT_KNOBS)  # the control: a config with experts has every one
+    assert moe.output_router_logits is False and moe.router_aux_loss_coef == 0.001
+    # an old dense config.json with every knob at its default loads without them, and without a word
+    with caplog.at_level("WARNING"):
+        old = TfmConfig.from_dict({**dense.to_dict(), **SAVED_BEFORE})
+    assert [name for name in EXPERT_KNOBS if hasattr(old, name)] == [] and old.to_dict() == dense.to_dict()
+    assert not [r for r in caplog.records if "no effect" in r.getMessage()]
+    # one set to something else is dropped too, and said
+    with caplog.at_level("WARNING"):
+        odd = TfmConfig(**{**tiny_config().to_dict(), "output_router_logits": True, "num_experts_per_tok": 4})
+    assert not hasattr(odd, "output_router_logits") and not hasattr(odd, "num_experts_per_tok")
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "`output_router_logits`=True has no effect" in warned and "`num_experts_per_tok`=4" in warned
+
+
+def test_expert_knobs_are_typed_defaulted_and_compared():
+    from hf_tfm.configuration import EXPERT_KNOBS
+
+    config = moe_config(num_experts_per_tok=3)
+    assert {name: getattr(config, name) for name in EXPERT_KNOBS} == {
+        **EXPERT_KNOBS,
+        "num_experts_per_tok": 3,
+        "moe_intermediate_size": 16,
+    }
+    assert config == moe_config(num_experts_per_tok=3) and config != moe_config()
+    assert TfmConfig.from_dict(config.to_dict()).to_dict() == config.to_dict()
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        moe_config(num_experts_per_tok="2")
+
+
+def test_a_checkpoint_saved_before_the_split_loads_the_same(tmp_path):
+    """A dense and an MoE folder as today's main wrote them (every expert knob in config.json, the expert layer's
+    conversion registered for every hf_tfm model): each loads with its weights, and the dense one without the knobs."""
+    from transformers import AutoModelForCausalLM
+
+    for overrides in ({}, MOE):
+        model = build(TfmForCausalLM, tiny_config(**overrides))
+        model.save_pretrained(tmp_path / "ckpt")
+        saved = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+        (tmp_path / "ckpt" / "config.json").write_text(json.dumps({**SAVED_BEFORE, **saved}))
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+        assert hasattr(loaded.config, "output_router_logits") == bool(overrides)
+        ids = random_ids(2, 7)
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, GenerationConfig, PreTrainedModel
+from transformers import AutoConfig, GenerationConfig, PreTrainedConfig, PreTrainedModel
 from transformers.utils import logging
 
 from .. import modeling
@@ -27,6 +27,7 @@ from ..modeling import (
     TfmForSequenceClassification,
     TfmForTokenClassification,
     TfmModel,
+    TfmMoeModel,
     TfmPreTrainedModel,
     TfmSeq2SeqModel,
 )
@@ -60,8 +61,9 @@ CARRIED_FIELDS = ("id2label", "label2id", "problem_type")
 
 
 def _head_of(model: torch.nn.Module) -> str:
+    kind = TfmModel if isinstance(model, TfmMoeModel) else type(model)  # the backbone, with experts
     for head, cls in TFM_CLASSES.items():
-        if type(model) is cls:
+        if kind is cls:
             return head
     for family in FAMILIES.values():
         for head, cls in family.classes.items():
@@ -134,8 +136,9 @@ class Family:
 
 
 def need(config: TfmConfig, out: list[str], family: str, knob: str, expected, why: str | None = None) -> None:
-    """Append a blocker message when `config.<knob>` differs from `expected` (a value or a predicate)."""
-    value = getattr(config, knob)
+    """Append a blocker message when `config.<knob>` differs from `expected` (a value or a predicate). A knob the
+    config does not have (the expert knobs of a dense config, `rope_parameters` without RoPE) reads as None."""
+    value = getattr(config, knob, None)
     ok = expected(value) if callable(expected) else value == expected
     if not ok:
         needs = why or f"{expected!r}"
@@ -461,7 +464,7 @@ def convert_path(src: str | Path, dst: str | Path) -> PreTrainedModel:
     (tokenizer and the like) unchanged. Returns the converted model.
     """
     src, dst = Path(src), Path(dst)
-    config = TfmConfig.get_config_dict(src)[0]
+    config = PreTrainedConfig.get_config_dict(src)[0]  # TfmConfig's reads one side of a seq2seq pair
     ours = (TfmConfig.model_type, TfmSeq2SeqConfig.model_type)
     converted = to_hf(src) if config.get("model_type") in ours else from_hf(src)
     dst.mkdir(parents=True, exist_ok=True)

@@ -480,13 +480,14 @@ def _vocabulary(vocab: dict[str, int], config: TfmConfig, where: str) -> list[st
 
 
 # The TfmConfig classes this runtime takes -> whether the config must be an encoder's (is_causal=False)
-KINDS = {"TfmForCausalLM": False, "TfmModel": True}
+KINDS = {"TfmForCausalLM": False, "TfmModel": True, "TfmMoeModel": True}
 
 
 def _load(model_or_folder: Any) -> tuple[torch.nn.Module, str | None]:
     from ..modeling import TfmForCausalLM, TfmForConditionalGeneration, TfmModel
 
     classes = {cls.__name__: cls for cls in (TfmForCausalLM, TfmForConditionalGeneration, TfmModel)}
+    classes["TfmMoeModel"] = TfmModel  # the backbone with experts, which TfmModel builds
     if isinstance(model_or_folder, (str, os.PathLike)):
         folder = Path(model_or_folder)
         saved = folder / "config.json"
