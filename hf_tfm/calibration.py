@@ -107,6 +107,7 @@ def calibrate(
     samples: int = 128,
     max_length: int = 512,
     python: str | None = None,
+    trust_remote_code: bool = False,
 ) -> Path:
     """Quantize the causal LM folder `path` to calibrated int4 weights with `method` ("gptq", "awq" or "rtn"), and
     save it with its tokenizer to `output_dir` as a compressed-tensors checkpoint (`from_pretrained` loads it).
@@ -114,6 +115,10 @@ def calibrate(
     `texts`: the calibration text, cut into `samples` blocks of `max_length` tokens (default: the Python standard
     library's own source, which every machine has; pass text like the model's own for the best result). Runs here when
     llm-compressor is installed, else in `python` (default `$HF_TFM_LLMCOMPRESSOR_PYTHON`). Returns `output_dir`.
+
+    `trust_remote_code`: run code the folder ships (transformers' flag, passed to every load, here and in
+    llm-compressor's environment); hf_tfm's own folders load without it, through the classes importing hf_tfm
+    registers (hf_tfm is installed in that environment too).
     """
     from transformers import AutoConfig
 
@@ -121,7 +126,7 @@ def calibrate(
         raise ValueError(f"unknown calibration method {method!r}: choose one of {', '.join(METHODS)}")
     if samples < 1 or max_length < 2:
         raise ValueError(f"calibrate needs samples >= 1 and max_length >= 2, got {samples} and {max_length}")
-    _check(AutoConfig.from_pretrained(path, trust_remote_code=True))
+    _check(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
     if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"{path} has no tokenizer: calibrate tokenizes its calibration text with the folder's own")
     job = {
@@ -131,6 +136,7 @@ def calibrate(
         "texts": texts,
         "samples": samples,
         "max_length": max_length,
+        "trust_remote_code": trust_remote_code,
     }
     python = python or llmcompressor_python()
     if python is None:
@@ -164,7 +170,15 @@ def _calibration_blocks(tokenizer: Any, texts: list[str] | None, samples: int, m
     return blocks
 
 
-def _run(path: str, output_dir: str, method: str, texts: list[str] | None, samples: int, max_length: int) -> None:
+def _run(
+    path: str,
+    output_dir: str,
+    method: str,
+    texts: list[str] | None,
+    samples: int,
+    max_length: int,
+    trust_remote_code: bool = False,
+) -> None:
     """The job itself, where llm-compressor is installed."""
     import torch
     from datasets import Dataset
@@ -174,8 +188,8 @@ def _run(path: str, output_dir: str, method: str, texts: list[str] | None, sampl
     from llmcompressor.pipelines.cache import IntermediatesCache
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=True).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     group = _check(model.config)
     weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group}
     scheme = {"config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}, "ignore": IGNORE}

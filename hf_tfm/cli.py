@@ -91,13 +91,48 @@ def _settings(args: argparse.Namespace, **defaults: Any):
     return settings
 
 
-def _load_tokenizer(path: str):
+TRUST_REMOTE_CODE_HELP = (
+    "run the Python code a model folder or Hub repository ships (its auto_map), as transformers' "
+    "trust_remote_code=True: only for code you trust. Not needed for hf_tfm's own folders (hf_tfm's installed classes "
+    "load them)"
+)
+
+
+def _add_trust_remote_code(p: Any, help: str = TRUST_REMOTE_CODE_HELP) -> None:
+    """`--trust-remote-code` (default off) on a parser or argument group of a command that loads a model folder or Hub
+    id: transformers' `trust_remote_code`, which the command passes to every `AutoConfig` / `AutoTokenizer` /
+    `AutoModel*` load."""
+    p.add_argument("--trust-remote-code", action="store_true", help=help)
+
+
+def _is_consent_error(err: BaseException) -> bool:
+    """transformers' refusal to run a folder's code without `trust_remote_code` (a ValueError that asks for it)."""
+    return isinstance(err, ValueError) and "trust_remote_code=True" in str(err)
+
+
+def _load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
+        if _is_consent_error(err):
+            raise  # the folder has a tokenizer, whose code needs consent: transformers' own words say so
         raise CliError(f"{path}: no usable tokenizer in this model folder ({err})") from err
+
+
+def _refuse_folder_code(path: str | Path) -> None:
+    """Refuse, with transformers' ValueError, a folder that only the code it ships can load (an `auto_map` and a model
+    type no installed class knows). `convert` and `export` use hf_tfm's and transformers' installed classes only; left
+    to their loads (`trust_remote_code` unset), transformers would ask on the terminal whether to run that code."""
+    try:
+        ships_code = "auto_map" in json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return  # a Hub id, or no readable config: the command's own loading reports what it finds
+    if ships_code:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(path, trust_remote_code=False)  # hf_tfm's own folders: its registered classes
 
 
 def _require_model_dir(path: str) -> Path:
@@ -246,7 +281,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 "and fine-tuned with LoRA adapters (q/k/v/o and MLP projections) plus a trained `score` head. "
                 "The folder holds the merged model; `adapter/` holds the PEFT adapter alone."
             ),
-            config=AutoConfig.from_pretrained(clf_dir, trust_remote_code=True),
+            config=AutoConfig.from_pretrained(clf_dir),  # hf_tfm's registered class: no code of the folder runs
             parameters=clf["parameters"],
             data=[
                 f"Docstrings of {len(task.label_names)} standard-library packages: {', '.join(task.label_names)}.",
@@ -381,21 +416,60 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # pretrain / finetune
 
 
+DEFAULT_VOCAB_SIZE = 2048  # of the byte-level BPE trained when neither --model nor --tokenizer gives a tokenizer
+
+# What training reads of the tokenizer's special tokens, by task (a given tokenizer may lack any of them).
+TOKENIZER_ROLES = {
+    "causal-lm": {"eos_token": "packing ends each text with it"},
+    "seq2seq": {
+        "eos_token": "each target ends with it",
+        "pad_token": "batches of sources and targets are padded with it",
+        "bos_token": "the decoder starts from it",
+    },
+}
+
+
+def _given_tokenizer(args: argparse.Namespace):
+    """`--tokenizer PATH` (a folder with a tokenizer, or a tokenizer.json file), refused with a one-line reason when
+    it is none or lacks a special token the task needs."""
+    from .tokenization import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as err:
+        if _is_consent_error(err):
+            raise
+        raise CliError(f"--tokenizer {args.tokenizer}: {err}") from err
+    if getattr(tokenizer, "backend_tokenizer", None) is None:  # `pack_texts` encodes through the tokenizers library
+        raise CliError(f"--tokenizer {args.tokenizer}: {type(tokenizer).__name__} is not a tokenizers-backed one")
+    for role, why in TOKENIZER_ROLES.get(args.task, {}).items():
+        if getattr(tokenizer, f"{role}_id") is None:
+            raise CliError(
+                f"--tokenizer {args.tokenizer} has no {role.split('_')[0]} token, which --task {args.task} needs "
+                f"({why}): name it in the folder's tokenizer_config.json (tokenizer.{role} = ...; save_pretrained)"
+            )
+    return tokenizer
+
+
 def _tokenizer_and_model(args: argparse.Namespace, texts: list[str], settings) -> tuple[Any, Any]:
-    """The tokenizer and what to train: `--model` (its path or Hub id, with its tokenizer), else a tokenizer trained on
-    the texts and the `--config` preset sized to it."""
+    """The tokenizer and what to train: `--model` (its path or Hub id, with its tokenizer), else the `--config` preset
+    sized to `--tokenizer` or to a byte-level BPE trained on the texts, with the tokenizer's special ids (a pad, bos or
+    eos the tokenizer lacks is None in the config too)."""
     from .configuration import TfmSeq2SeqConfig
     from .presets import load_config
-    from .tokenization import train_bpe_tokenizer
+    from .tokenization import train_bpe_tokenizer, vocab_size_of
 
     if args.model:
         if Path(args.model).exists():  # otherwise a Hub id, resolved by from_pretrained
             _require_model_dir(args.model)
-        return _load_tokenizer(args.model), args.model
-    tokenizer = train_bpe_tokenizer(texts, vocab_size=args.vocab_size)
+        return _load_tokenizer(args.model, args.trust_remote_code), args.model
+    if args.tokenizer:
+        tokenizer = _given_tokenizer(args)
+    else:
+        tokenizer = train_bpe_tokenizer(texts, vocab_size=args.vocab_size or DEFAULT_VOCAB_SIZE)
     config = load_config(
         args.config,
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size_of(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -419,6 +493,10 @@ def _check_task_options(args: argparse.Namespace) -> None:
             raise CliError(f"--{option.replace('_', '-')} is for --task seq2seq")
     if args.text_column is not None and seq2seq:
         raise CliError("--task seq2seq reads --source-column and --target-column, not --text-column")
+    if args.tokenizer and args.model:
+        raise CliError("--tokenizer is for a new model: --model trains on with its checkpoint's own tokenizer")
+    if args.tokenizer and args.vocab_size is not None:
+        raise CliError("--vocab-size sizes a tokenizer trained here; --tokenizer brings its own vocabulary")
     if args.config is None and args.model is None:
         args.config = "tiny-seq2seq" if seq2seq else DEFAULT_CONFIGS[args.command]
     args.text_column = args.text_column or "text"
@@ -444,7 +522,8 @@ def _train_seq2seq(args: argparse.Namespace) -> int:
         pairs, held = _split_held_out(list(zip(sources, targets, strict=True)), 0.1, args.seed)
         sources, targets = [s for s, _ in pairs], [t for _, t in pairs]
         eval_sources, eval_targets = [s for s, _ in held], [t for _, t in held]
-    config = AutoConfig.from_pretrained(args.model, trust_remote_code=True) if args.model else None
+    trust = args.trust_remote_code
+    config = AutoConfig.from_pretrained(args.model, trust_remote_code=trust) if args.model else None
     from_lm = getattr(config, "model_type", None) == "hf_tfm" and "TfmForCausalLM" in (config.architectures or [])
     if config is not None and not (from_lm or getattr(config, "is_encoder_decoder", False)):
         raise CliError(f"--model {args.model} is neither an encoder-decoder nor an hf_tfm causal LM to start one from")
@@ -456,10 +535,11 @@ def _train_seq2seq(args: argparse.Namespace) -> int:
     settings = _settings(args, max_steps=200, learning_rate=2e-3 if lora else 1e-3)
     tokenizer, model = _tokenizer_and_model(args, sources + targets, settings)
     if from_lm:  # both sides from the LM's blocks and embeddings, a new cross-attention
-        model = seq2seq_from_causal_lm(args.model)
+        model = seq2seq_from_causal_lm(args.model, trust_remote_code=trust)
     max_target_len = args.max_target_len or 32
     source = f"fine-tuned from `{args.model}`" if args.model else f"trained from scratch, config `{args.config}`"
     source = f"warm-started from the causal LM `{args.model}`" if from_lm else source
+    source += f", tokenizer `{args.tokenizer}`" if args.tokenizer else ""
     with staged_dir(args.output_dir, overwrite=args.overwrite) as stage:
         result = train_seq2seq(
             model,
@@ -470,13 +550,14 @@ def _train_seq2seq(args: argparse.Namespace) -> int:
             stage,
             lora=lora,
             max_target_len=max_target_len,
+            trust_remote_code=trust,
         )
         write_model_card(
             stage,
             title=f"Sequence-to-sequence model trained with hf-tfm on {Path(args.train_file).name}",
             summary=f"{source[0].upper() + source[1:]} with `hf-tfm {args.command} --task seq2seq`"
             + (" (LoRA)." if lora else "."),
-            config=AutoConfig.from_pretrained(stage, trust_remote_code=True),
+            config=AutoConfig.from_pretrained(stage),
             parameters=result["parameters"],
             data=[
                 f"train: `{args.train_file}` ({len(sources)} pairs; columns {columns[0]!r} -> {columns[1]!r})",
@@ -518,12 +599,13 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     settings = _settings(args, max_steps=200, learning_rate=1e-3 if args.model is None else 3e-4)
     tokenizer, model = _tokenizer_and_model(args, texts, settings)
     if args.model:
-        model = load_causal_lm(args.model)
+        model = load_causal_lm(args.model, trust_remote_code=args.trust_remote_code)
         source = f"continued from `{args.model}`"
     else:
         if not model.is_causal:
             raise CliError(f"--config {args.config} is an encoder (is_causal=False); pretrain needs a decoder")
         source = f"from scratch, config `{args.config}`"
+        source += f", tokenizer `{args.tokenizer}`" if args.tokenizer else ""
     with staged_dir(args.output_dir, overwrite=args.overwrite) as stage:
         result = pretrain_causal_lm(model, tokenizer, texts, eval_texts, settings, stage)
         from transformers import AutoConfig
@@ -532,7 +614,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
             stage,
             title=f"Causal LM trained with hf-tfm on {Path(args.train_file).name}",
             summary=f"Trained {source} with `hf-tfm pretrain`.",
-            config=AutoConfig.from_pretrained(stage, trust_remote_code=True),
+            config=AutoConfig.from_pretrained(stage),
             parameters=result["parameters"],
             data=[
                 f"train: `{args.train_file}` ({len(texts)} texts, {result['train_tokens']:,} tokens)",
@@ -576,7 +658,15 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     baseline = sum(x == majority for x in eval_ids) / len(eval_ids)
     with staged_dir(args.output_dir, overwrite=args.overwrite) as stage:
         result = finetune_classifier(
-            model, tokenizer, (texts, train_ids), (eval_texts, eval_ids), label_names, settings, stage, lora=lora
+            model,
+            tokenizer,
+            (texts, train_ids),
+            (eval_texts, eval_ids),
+            label_names,
+            settings,
+            stage,
+            lora=lora,
+            trust_remote_code=args.trust_remote_code,
         )
         result["baseline_accuracy"] = baseline
         from transformers import AutoConfig
@@ -585,7 +675,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
             stage,
             title=f"Sequence classifier trained with hf-tfm on {Path(args.train_file).name}",
             summary=f"{source.capitalize()} with `hf-tfm finetune`{' (LoRA)' if lora else ''}.",
-            config=AutoConfig.from_pretrained(stage, trust_remote_code=True),
+            config=AutoConfig.from_pretrained(stage),
             parameters=result["parameters"],
             data=[
                 f"train: `{args.train_file}` ({len(texts)} examples), labels: {', '.join(label_names)}",
@@ -618,13 +708,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _require_model_dir(args.model)
     if args.aot and (not args.greedy or args.repetition_penalty is not None):
         raise CliError("--aot decodes greedily: add --greedy (and leave out --repetition-penalty)")
-    tokenizer = _load_tokenizer(args.model)
+    tokenizer = _load_tokenizer(args.model, args.trust_remote_code)
     if args.quantize:  # bitsandbytes logs a line per matmul (input casts) and one for an optional Hub kernel
         logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
         # hf_tfm's own int8 is made for the compiled step
         compile = args.compile or args.aot or args.quantize in NATIVE_QUANTIZATION
-        model = load_for_inference(args.model, quantize=args.quantize, compile=compile, dtype=args.dtype)
+        model = load_for_inference(
+            args.model,
+            quantize=args.quantize,
+            compile=compile,
+            dtype=args.dtype,
+            trust_remote_code=args.trust_remote_code,
+        )
     except (QuantizationUnavailableError, ValueError) as err:
         raise CliError(str(err)) from err
     if args.seed is not None:
@@ -668,8 +764,10 @@ def cmd_classify(args: argparse.Namespace) -> int:
         texts += load_texts(args.file, args.text_column)
     if not texts:
         raise CliError("give texts to classify as arguments or with --file")
-    tokenizer = _load_tokenizer(args.model)
-    model = AutoModelForSequenceClassification.from_pretrained(args.model, trust_remote_code=True).eval()
+    tokenizer = _load_tokenizer(args.model, args.trust_remote_code)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        args.model, trust_remote_code=args.trust_remote_code
+    ).eval()
     id2label = model.config.id2label
     max_length = min(args.max_length, model.config.max_position_embeddings)  # learned positions stop there
     results = []
@@ -759,17 +857,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     folder = _require_model_dir(args.model)
     engine_args = args.passthrough
     address = ["--host", args.host, "--port", str(args.port)]
+    trust = ["--trust-remote-code"] if args.trust_remote_code else []  # the engines' own flag, passed on as given
     if args.engine == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise CliError(VLLM_INSTALL_HELP)
+        if not trust and "auto_map" in json.loads((folder / "config.json").read_text(encoding="utf-8")):
+            # vLLM's process never imports hf_tfm: an hf_tfm folder loads there from the code it carries
+            raise CliError(
+                f"{folder}: vLLM loads this model from the code the folder carries (its auto_map: configuration.py, "
+                "modeling.py), not from the installed hf_tfm: pass --trust-remote-code to run that code, if you "
+                "trust it (a folder hf_tfm wrote), or serve with --engine transformers, which uses hf_tfm's classes"
+            )
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
-        command += ["--model-impl", "transformers", "--trust-remote-code", *address, *engine_args]
+        command += ["--model-impl", "transformers", *trust, *address, *engine_args]
         os.execv(sys.executable, command)  # the server replaces this process: signals and exit status are its own
     from transformers.cli.transformers import main as transformers_cli
 
+    # hf_tfm is imported in the server's processes (this one, and from 5.25 the one it spawns: see above), so an
+    # hf_tfm folder loads through its registered classes, without running the folder's copy of the code.
     _name_classes_in_transformers()
     os.environ[SERVE_NAMES_ENV] = "1"  # and in the model's process, where 5.25+ loads it
-    sys.argv = ["transformers", "serve", str(folder), "--trust-remote-code", *address, *engine_args]
+    sys.argv = ["transformers", "serve", str(folder), *trust, *address, *engine_args]
     return transformers_cli() or 0
 
 
@@ -811,6 +919,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise CliError(f"conversion is not available in this installation ({err})") from err
     if not Path(args.src).exists() and "/" not in args.src:
         raise CliError(f"{args.src}: no such model folder")
+    _refuse_folder_code(args.src)
     with staged_dir(args.dst, overwrite=args.overwrite) as stage:
         result = convert_path(args.src, stage)
     print(f"converted {args.src} -> {args.dst} ({type(result).__name__}, model_type {result.config.model_type})")
@@ -825,7 +934,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     texts = [Path(f).read_text(encoding="utf-8") for f in args.text] if args.text else None
     try:
         with staged_dir(args.dst, overwrite=args.overwrite) as stage:
-            calibrate(src, stage, args.method, texts=texts, samples=args.samples, max_length=args.max_length)
+            calibrate(
+                src,
+                stage,
+                args.method,
+                texts=texts,
+                samples=args.samples,
+                max_length=args.max_length,
+                trust_remote_code=args.trust_remote_code,
+            )
     except (ImportError, ValueError) as err:  # no llm-compressor, or a model it cannot take: one line
         raise CliError(str(err)) from err
     print(f"calibrated {args.src} -> {args.dst} ({args.method}, int4 weights, compressed-tensors)")
@@ -836,6 +953,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .exporters import export, output_path, verify
 
     src = _require_model_dir(args.src)
+    _refuse_folder_code(src)
     dst = output_path(args.dst, args.format, args.quantize)
     if dst.exists() and not args.overwrite:
         raise CliError(f"{dst} exists; pass --overwrite to replace it")
@@ -907,8 +1025,22 @@ def _add_training_args(p: argparse.ArgumentParser, labelled: bool) -> None:
     source.add_argument(
         "--config", help=f"preset name or JSON file (default: {default}; tiny-seq2seq for --task seq2seq)"
     )
-    source.add_argument("--model", help="start from this checkpoint folder (its tokenizer is reused)")
-    model.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary when training from scratch")
+    source.add_argument("--model", help="start from this checkpoint folder or Hub id (its tokenizer is reused)")
+    if labelled:
+        p.set_defaults(tokenizer=None)
+    else:
+        model.add_argument(
+            "--tokenizer",
+            metavar="PATH",
+            help="a new model on this tokenizer (a folder holding one, or a tokenizer.json file) instead of a BPE "
+            "trained on the data: vocab_size and the pad/bos/eos ids follow it, and the output folder carries it",
+        )
+    model.add_argument(
+        "--vocab-size",
+        type=int,
+        help=f"vocabulary of the byte-level BPE trained when training from scratch (default {DEFAULT_VOCAB_SIZE})",
+    )
+    _add_trust_remote_code(model)
     if labelled:
         lora = model.add_mutually_exclusive_group()
         lora.add_argument("--lora", dest="lora", action="store_true", default=None, help="LoRA (default with --model)")
@@ -972,6 +1104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="continue a prompt with a causal LM folder (seq2seq: its output), streaming")
     p.add_argument("model", help="model folder (with tokenizer)")
     p.add_argument("--prompt", required=True)
+    _add_trust_remote_code(p)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
     p.add_argument("--temperature", type=float, default=0.8)
@@ -1014,6 +1147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--json", action="store_true", help="one JSON object per line")
+    _add_trust_remote_code(p)
     p.set_defaults(func=cmd_classify)
 
     p = sub.add_parser("push", help="upload a model folder to the Hugging Face Hub")
@@ -1034,6 +1168,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=["vllm", "transformers"], default="vllm", help="default: vllm")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    _add_trust_remote_code(
+        p,
+        help="passed to the engine: run the code the folder ships (its auto_map). vLLM needs it for an hf_tfm folder "
+        "(it loads the folder's copy of hf_tfm's code); --engine transformers uses hf_tfm's installed classes",
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("info", help="config, parameter count and supported integrations of a folder or preset")
@@ -1061,6 +1200,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=128, help="calibration blocks (default 128)")
     p.add_argument("--max-length", type=int, default=512, help="tokens per block (default 512)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    _add_trust_remote_code(p)
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser(
@@ -1089,6 +1229,16 @@ def build_parser() -> argparse.ArgumentParser:
     for name, command in sub.choices.items():
         command.epilog = "\n".join(filter(None, [command.epilog, f"Documentation: {DOC_PAGES[name]}"]))
     return parser
+
+
+def _error_text(err: BaseException, args: argparse.Namespace) -> str:
+    """The error as printed; transformers' refusal to run a folder's code also says what to do on the command line."""
+    text = str(err)
+    if "trust_remote_code=True" not in text:
+        return text
+    if hasattr(args, "trust_remote_code"):
+        return f"{text}\n(on the command line: add --trust-remote-code to run that code, if you trust it)"
+    return f"{text}\n(hf-tfm {args.command} runs only installed code, hf_tfm's and transformers', never a folder's)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1126,10 +1276,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except (CliError, DataError, OutputDirError) as err:
-        print(f"hf-tfm {args.command}: error: {err}", file=sys.stderr)
+        print(f"hf-tfm {args.command}: error: {_error_text(err, args)}", file=sys.stderr)
         return 1
     except (ValueError, RuntimeError, OSError) as err:  # bad configs (ValueError), unloadable checkpoints (OSError)
-        print(f"hf-tfm {args.command}: error: {err}", file=sys.stderr)
+        print(f"hf-tfm {args.command}: error: {_error_text(err, args)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"hf-tfm {args.command}: interrupted; no output folder was left behind", file=sys.stderr)

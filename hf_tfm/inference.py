@@ -402,6 +402,7 @@ def load_for_inference(
     quantize: str | None = None,
     compile: bool = True,
     dtype: torch.dtype | str | None = None,
+    trust_remote_code: bool = False,
     **kwargs: Any,
 ) -> PreTrainedModel:
     """Load a causal LM or seq2seq LM folder (or Hub id) in eval mode for fast `generate()`.
@@ -412,14 +413,17 @@ def load_for_inference(
     with a static cache and a compiled step (`compile_generation`); a compressed-tensors checkpoint's int4 / int8
     weights (GPTQ, AWQ: `hf_tfm.calibration`) then become `Int8StreamingLinear` layers (`stream_compressed`).
     `dtype`: of the weights (with `quantize`, of what stays unquantized; default: the setting's or the checkpoint's).
+    `trust_remote_code`: run Python code the folder or repository ships (its `auto_map`), as transformers' flag;
+    without it such a folder is refused with transformers' `ValueError`. hf_tfm's own folders need no consent here:
+    importing hf_tfm registered its classes, which transformers then uses instead of the folder's copy.
     Other keyword arguments go to `from_pretrained`.
     """
-    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     loading = quantization_kwargs(quantize, config) if quantize else {}
     if dtype is not None:
         loading["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
-    model = auto.from_pretrained(path, trust_remote_code=True, **loading, **kwargs).eval()
+    model = auto.from_pretrained(path, trust_remote_code=trust_remote_code, **loading, **kwargs).eval()
     if quantize in NATIVE_SETTINGS:
         (quantize_q8 if quantize == "q8" else quantize_q4)(model)
         if not compile and not native_kernels_available():

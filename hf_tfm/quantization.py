@@ -67,7 +67,7 @@ def _linear_input_sizes(config: "PretrainedConfig") -> set[int]:
     each side of an encoder-decoder (experts are 3-D parameters, which no quantizer touches)."""
     sizes = set()
     for side in [config.encoder, config.decoder] if config.is_encoder_decoder else [config]:
-        ffn = (side.intermediate_size, side.shared_expert_intermediate_size)
+        ffn = (side.intermediate_size, getattr(side, "shared_expert_intermediate_size", None))  # experts' knob
         sizes |= {side.hidden_size, side.num_attention_heads * side.head_dim, *(size for size in ffn if size)}
     return sizes
 

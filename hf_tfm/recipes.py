@@ -265,12 +265,16 @@ def pretrain_causal_lm(
     }
 
 
+# hf_tfm passes trust_remote_code=True itself only for a folder it has just written: here a fresh Python where hf_tfm
+# cannot be imported loads it, to prove the folder stands alone (our own folder, just written: its code is what is
+# being tested). Every other load leaves the choice to the caller, default False.
 GENERATE_CODE = r"""
 import sys; sys.modules["hf_tfm"] = None  # prove the folder stands alone: only its own copied code may be used
 import json
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 folder, prompts, max_new_tokens, seed = json.loads(sys.argv[1])
+# our own folder, just written: its code is what is being tested
 tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
 model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
 outputs = []
@@ -287,7 +291,11 @@ def generate_in_fresh_process(
     folder: str | os.PathLike, prompts: list[str], max_new_tokens: int = 40, seed: int = 0, timeout: float = 300.0
 ) -> dict[str, Any]:
     """Load `folder` with `AutoModelForCausalLM(trust_remote_code=True)` in a new Python where `hf_tfm` cannot be
-    imported, and sample a continuation of each prompt. Returns `{"class": ..., "generations": [...]}`."""
+    imported, and sample a continuation of each prompt. Returns `{"class": ..., "generations": [...]}`.
+
+    It runs the folder's own code (`configuration.py`, `modeling.py`): it is the check that a folder hf_tfm has just
+    written stands alone. Pass only such a folder, never one from elsewhere.
+    """
     with tempfile.TemporaryDirectory(prefix="hf-tfm-modules-") as modules:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": modules, "TOKENIZERS_PARALLELISM": "false"}
         result = subprocess.run(
@@ -325,6 +333,8 @@ def _save_adapter(peft_model: Any, folder: Path, base: str | None, auto_class: s
             adapter_config.base_model_name_or_path = base
     peft_model.save_pretrained(folder)
     call = "".join(f", {key}={value!r}" for key, value in kwargs.items())
+    # The README's snippet is for readers who may not have hf_tfm installed: there the base loads from its own code,
+    # which only trust_remote_code=True runs (with hf_tfm installed, its registered classes are used either way).
     with (folder / "README.md").open("a", encoding="utf-8") as readme:
         readme.write(
             "\n## Loading this adapter with hf-tfm\n\n"
@@ -346,14 +356,16 @@ def finetune_classifier(
     lora_r: int = 8,
     config_overrides: dict[str, Any] | None = None,
     adapter_base: str | None = None,
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """Fine-tune a sequence classifier (fully, or with LoRA adapters plus a trained `score` head) and save it.
 
     `model` is a config (new model), a model, or a checkpoint path/id; a causal-LM checkpoint gets a fresh `score`
     head. With LoRA the folder holds the merged model (loadable by `AutoModelForSequenceClassification`) and the
     adapter alone in `adapter/`, whose `base_model_name_or_path` is `adapter_base` (default: `model` when it is a
-    path or Hub id; pass the final location when `model` sits in a staging folder). Returns test accuracy, loss
-    history and sizes.
+    path or Hub id; pass the final location when `model` sits in a staging folder). `trust_remote_code`: run code a
+    checkpoint `model` ships (transformers' flag; hf_tfm's own checkpoints load without it). Returns test accuracy,
+    loss history and sizes.
     """
     out_dir = Path(out_dir)
     adapter_base = adapter_base or _model_name(model)
@@ -370,7 +382,7 @@ def finetune_classifier(
         model = TfmForSequenceClassification(model)
     elif not isinstance(model, PreTrainedModel):
         model = AutoModelForSequenceClassification.from_pretrained(
-            model, trust_remote_code=True, **label_kwargs, **(config_overrides or {})
+            model, trust_remote_code=trust_remote_code, **label_kwargs, **(config_overrides or {})
         )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
@@ -488,12 +500,17 @@ def generate_texts(
     return texts
 
 
-def seq2seq_from_causal_lm(model: PreTrainedModel | str | os.PathLike) -> TfmForConditionalGeneration:
+def seq2seq_from_causal_lm(
+    model: PreTrainedModel | str | os.PathLike, trust_remote_code: bool = False
+) -> TfmForConditionalGeneration:
     """An encoder-decoder warm-started from an hf_tfm causal LM (Rothe et al., arXiv:1907.12461): both sides get the
     LM's blocks and embeddings (the encoder with bidirectional attention), the LM head stays the head, and only the
-    decoder's cross-attention (and its norms) start untrained. The two sides share one token table."""
+    decoder's cross-attention (and its norms) start untrained. The two sides share one token table.
+
+    `trust_remote_code`: run code a checkpoint path or Hub id ships (transformers' flag; hf_tfm's own load without).
+    """
     if not isinstance(model, PreTrainedModel):
-        model = AutoModelForCausalLM.from_pretrained(model, trust_remote_code=True)
+        model = AutoModelForCausalLM.from_pretrained(model, trust_remote_code=trust_remote_code)
     if not isinstance(model.config, TfmConfig) or not model.config.is_causal:
         raise ValueError(f"{type(model).__name__} is not an hf_tfm causal LM: nothing to warm-start from")
     config = model.config
@@ -526,6 +543,7 @@ def train_seq2seq(
     lora_r: int = 8,
     max_target_len: int = 32,
     adapter_base: str | None = None,
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """Train a sequence-to-sequence model on (source, target) pairs with `Seq2SeqTrainer` and save it.
 
@@ -533,8 +551,9 @@ def train_seq2seq(
     Sources are cut to `settings.seq_len` tokens, targets to `max_target_len` (with their `</s>`); the decoder
     inputs are the targets shifted right behind `decoder_start_token_id`, built by `DataCollatorForSeq2Seq`. With
     LoRA (self- and cross-attention and MLP projections) the folder holds the merged model and `adapter/` the
-    adapter alone. Returns the held-out loss, the held-out greedy generations' exact match and word F1 next to the
-    majority-target baseline, a few examples, the loss history and sizes.
+    adapter alone. `trust_remote_code`: run code a checkpoint `model` ships (transformers' flag; hf_tfm's own
+    checkpoints load without it). Returns the held-out loss, the held-out greedy generations' exact match and word F1
+    next to the majority-target baseline, a few examples, the loss history and sizes.
     """
     out_dir = Path(out_dir)
     adapter_base = adapter_base or _model_name(model)
@@ -542,7 +561,7 @@ def train_seq2seq(
     if isinstance(model, TfmSeq2SeqConfig):
         model = TfmForConditionalGeneration(model)
     elif not isinstance(model, PreTrainedModel):
-        model = AutoModelForSeq2SeqLM.from_pretrained(model, trust_remote_code=True)
+        model = AutoModelForSeq2SeqLM.from_pretrained(model, trust_remote_code=trust_remote_code)
     if not model.config.is_encoder_decoder:
         raise ValueError(f"{type(model).__name__} is not an encoder-decoder model: seq2seq training needs one")
 
@@ -704,7 +723,11 @@ def write_model_card(
     auto_class: str,
     extra: str = "",
 ) -> Path:
-    """Write `README.md`: YAML metadata, architecture, data, training settings, metrics and how to load it."""
+    """Write `README.md`: YAML metadata, architecture, data, training settings, metrics and how to load it.
+
+    The usage snippet passes `trust_remote_code=True`: it is for readers without hf_tfm, where the folder loads from
+    the code it carries (our own folder, as hf_tfm wrote it); with hf_tfm installed its registered classes are used.
+    """
     metric_rows = "\n".join(f"| {k} | {_fmt(v)} |" for k, v in metrics.items())
     arch_rows = "\n".join(f"| `{k}` | {v} |" for k, v in architecture_summary(config))
     setting_rows = "\n".join(f"| {k} | {v} |" for k, v in settings.items())
@@ -771,10 +794,14 @@ def _fmt(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
-def load_causal_lm(path: str | os.PathLike, **kwargs: Any) -> PreTrainedModel:
-    """`AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **kwargs)` (`dtype`, a quantization config:
-    `hf_tfm.quantization.quantization_kwargs`)."""
-    return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **kwargs)
+def load_causal_lm(path: str | os.PathLike, trust_remote_code: bool = False, **kwargs: Any) -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)` (`dtype`, a
+    quantization config: `hf_tfm.quantization.quantization_kwargs`).
+
+    Code a folder or Hub repository ships runs only with `trust_remote_code=True` (transformers' `ValueError`
+    otherwise); hf_tfm's own folders load without it, through the classes importing hf_tfm registered.
+    """
+    return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
 
 
 __all__ = [

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import build, run_without_hf_tfm, tiny_config
 from fake_hub import FakeHub
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from hf_tfm import TfmForCausalLM
 from hf_tfm.cli import main
@@ -190,6 +191,9 @@ def files(tmp_path):
     (tmp_path / "pairs.jsonl").write_text(
         "\n".join(json.dumps({"en": f"cat {i}", "de": f"Katze {i}"}) for i in range(9))
     )
+    no_eos = Tokenizer(models.WordLevel({"<s>": 0, "<unk>": 1, "cat": 2}, unk_token="<unk>"))
+    no_eos.add_special_tokens(["<s>", "<unk>"])
+    no_eos.save(str(tmp_path / "no_eos.json"))
     return tmp_path
 
 
@@ -210,6 +214,34 @@ BAD_INPUTS = [
     (["classify", "nowhere", "hi"], "no such model folder"),
     (["push", "nowhere", "--repo-id", "a/b"], "no such model folder"),
     (["info", "nowhere"], "neither a preset"),
+    (
+        ["pretrain", "--train-file", "good.jsonl", "--tokenizer", "nowhere"],
+        "no such tokenizer folder or tokenizer.json",
+    ),
+    (["pretrain", "--train-file", "good.jsonl", "--tokenizer", "."], "holds no tokenizer"),
+    (["pretrain", "--train-file", "good.jsonl", "--tokenizer", "other.jsonl"], "is not a tokenizer.json file"),
+    (["pretrain", "--train-file", "good.jsonl", "--tokenizer", "no_eos.json"], "has no eos token, which --task"),
+    (["pretrain", "--train-file", "good.jsonl", "--tokenizer", "no_eos.json", "--model", "m"], "is for a new model"),
+    (
+        ["pretrain", "--train-file", "good.jsonl", "--tokenizer", "no_eos.json", "--vocab-size", "300"],
+        "brings its own",
+    ),
+    (
+        [
+            "pretrain",
+            "--task",
+            "seq2seq",
+            "--train-file",
+            "pairs.jsonl",
+            "--source-column",
+            "en",
+            "--target-column",
+            "de",
+            "--tokenizer",
+            "no_eos.json",
+        ],
+        "has no eos token, which --task seq2seq needs",
+    ),
     (["pretrain", "--task", "seq2seq", "--train-file", "pairs.jsonl"], "no source column 'source'"),
     (["pretrain", "--task", "seq2seq", "--train-file", "empty.txt"], "the file is empty"),
     (["finetune", "--task", "seq2seq", "--train-file", "good.jsonl", "--source-column", "text"], "no target column"),
@@ -309,6 +341,101 @@ def test_pretrain_continues_from_a_checkpoint_on_jsonl(user_models, capsys):
     # and --overwrite replaces it
     assert main([*argv, "--output-dir", str(out), "--max-steps", "1", "--seq-len", "16", "--overwrite"]) == 0
     assert json.loads((out / "metrics.json").read_text())["steps"] == 1
+
+
+def stdlib_tokenizer(specials: list[str], first: str | None = None) -> Tokenizer:
+    """A byte-level BPE of 300 tokens trained on a few standard-library files, with `specials` added after the
+    vocabulary (ids 300, 301, ...: none where TfmConfig's defaults put pad, bos and eos); `first` starts each text."""
+    from hf_tfm.data import stdlib_files
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tokenizer.train_from_iterator([f.text for f in stdlib_files(100_000, max_file_chars=10_000)], trainer)
+    tokenizer.add_special_tokens(specials)
+    if first is not None:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{first} $A", special_tokens=[(first, tokenizer.token_to_id(first))]
+        )
+    return tokenizer
+
+
+# A folder: its tokenizer_config.json names the roles, whatever the tokens are called. A bare tokenizer.json file: the
+# roles go by the tokens' usual names, and one it lacks (pad here) is None in the config too.
+GIVEN_TOKENIZERS = {
+    "folder": (["<|start|>", "<|end|>", "<|pad|>"], {"bos": "<|start|>", "eos": "<|end|>", "pad": "<|pad|>"}),
+    "tokenizer.json": (["</s>", "<s>"], {"bos": "<s>", "eos": "</s>", "pad": None}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(GIVEN_TOKENIZERS))
+def test_pretrain_on_a_given_tokenizer(user_models, tmp_path, capsys, kind):
+    """`--tokenizer`: the new model's vocabulary and special ids follow the given tokenizer, the folder carries that
+    tokenizer (the same ids on a text), and the model generates with it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+    root = user_models[0]
+    specials, roles = GIVEN_TOKENIZERS[kind]
+    backend = stdlib_tokenizer(specials, first=roles["bos"])
+    ids = {role: None if token is None else backend.token_to_id(token) for role, token in roles.items()}
+    assert min(i for i in ids.values() if i is not None) >= 300  # not TfmConfig's default ids
+    if kind == "folder":
+        given = tmp_path / "tokenizer"
+        named = {f"{role}_token": token for role, token in roles.items()}
+        PreTrainedTokenizerFast(tokenizer_object=backend, **named).save_pretrained(given)
+    else:
+        given = tmp_path / "tokenizer.json"
+        backend.save(str(given))
+    out = tmp_path / "lm"
+    argv = ["pretrain", "--train-file", str(root / "train.txt"), "--tokenizer", str(given), "--output-dir", str(out)]
+    assert main([*argv, "--max-steps", "2", "--batch-size", "4", "--seq-len", "32"]) == 0
+    capsys.readouterr()
+
+    saved = AutoTokenizer.from_pretrained(out)
+    text = "def read_config(path):\n    return open(path).read()  # ünïcode"
+    assert saved(text)["input_ids"] == backend.encode(text).ids and saved(text)["input_ids"][0] == ids["bos"]
+    assert len(saved) == backend.get_vocab_size() == 300 + len(specials)
+    assert (saved.bos_token_id, saved.eos_token_id, saved.pad_token_id) == (ids["bos"], ids["eos"], ids["pad"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["vocab_size"] == 300 + len(specials)
+    assert {role: config[f"{role}_token_id"] for role in ids} == ids
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == (ids["bos"], ids["eos"])
+    assert f"tokenizer `{given}`" in (out / "README.md").read_text()
+
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    prompt = saved("def ", return_tensors="pt")
+    with torch.no_grad():
+        output = model.generate(**prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    new = output[0, prompt["input_ids"].shape[1] :]
+    assert len(new) == 6 and int(new.max()) < config["vocab_size"]
+    assert main(["generate", str(out), "--prompt", "def ", "--max-new-tokens", "6", "--greedy", "--no-stream"]) == 0
+    assert capsys.readouterr().out == "def " + saved.decode(new, skip_special_tokens=True) + "\n"  # the same tokens
+
+
+def test_pretrain_seq2seq_on_a_given_tokenizer(tmp_path):
+    """`--task seq2seq --tokenizer`: both sides sized to the tokenizer, its ids the config's, its bos the decoder's
+    first token."""
+    from transformers import PreTrainedTokenizerFast
+
+    roles = {"bos_token": "<|start|>", "eos_token": "<|end|>", "pad_token": "<|pad|>"}
+    backend = stdlib_tokenizer(list(roles.values()))
+    PreTrainedTokenizerFast(tokenizer_object=backend, **roles).save_pretrained(tmp_path / "tokenizer")
+    pairs = [{"source": f"Return the item number {i}.", "target": f"get item {i}"} for i in range(20)]
+    (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(p) for p in pairs))
+    argv = ["pretrain", "--task", "seq2seq", "--train-file", str(tmp_path / "pairs.jsonl")]
+    argv += ["--tokenizer", str(tmp_path / "tokenizer"), "--output-dir", str(tmp_path / "s2s"), *TINY_TRAIN[:6]]
+    assert main(argv) == 0
+    config = json.loads((tmp_path / "s2s" / "config.json").read_text())
+    ids = {role: backend.token_to_id(token) for role, token in roles.items()}
+    assert config["decoder_start_token_id"] == ids["bos_token"] == 300
+    for side in (config, config["encoder"], config["decoder"]):
+        assert {role: side[f"{role}_id"] for role in roles} == ids
+    assert config["encoder"]["vocab_size"] == config["decoder"]["vocab_size"] == 303
 
 
 def test_finetune_with_lora_saves_merged_model_and_adapter(user_models):
