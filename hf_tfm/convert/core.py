@@ -301,7 +301,8 @@ def register(*families: Family, refused: dict[type, str] | None = None) -> None:
 
 
 def _load_in_tree(path: str | Path) -> PreTrainedModel:
-    config = AutoConfig.from_pretrained(path)
+    # Conversion reads installed classes only: a folder whose code would have to run is refused, not prompted for
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     if config.model_type not in FAMILIES:
         raise ValueError(
             f"`model_type={config.model_type!r}` in {path} is not importable; supported: {sorted(FAMILIES)}."
@@ -419,7 +420,7 @@ def to_hf(model: TfmPreTrainedModel | str | Path) -> PreTrainedModel:
     which is the same architecture. The result saves and loads with plain transformers, no `trust_remote_code`.
     """
     if isinstance(model, (str, Path)):
-        config = AutoConfig.from_pretrained(model)
+        config = AutoConfig.from_pretrained(model, trust_remote_code=False)
         architecture = (config.architectures or ["TfmModel"])[0]
         model = getattr(modeling, architecture).from_pretrained(model)
     head = _head_of(model)
