@@ -25,7 +25,7 @@ from safetensors import safe_open
 from test_training import lm_examples, max_param_diff, training_args
 from transformers import Trainer
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func as in_tree_load_balancing_loss
 
 from hf_tfm import (
@@ -296,12 +296,17 @@ def test_aux_loss_equals_transformers_load_balancing_loss(masked):
 
 def test_no_sparse_layer_does_not_crash_when_router_logits_are_requested():
     """transformers' `load_balancing_loss_func` raises on an empty tuple (Qwen2-MoE with every layer in
-    `mlp_only_layers`): here the logits are an empty tuple, there is no aux loss, and the loss is the plain one."""
+    `mlp_only_layers`): here the logits are an empty tuple, there is no aux loss, and the loss is the plain one. A
+    dense model asked for router logits answers as in-tree Llama does: its dense output, without them."""
     ids = random_ids(2, 6)
-    for model in (moe_model(mlp_only_layers=[0, 1], output_router_logits=True), build(TfmForCausalLM, tiny_config())):
-        out = model(input_ids=ids, labels=ids, output_router_logits=True)
-        assert out.router_logits == () and out.aux_loss is None
-        torch.testing.assert_close(out.loss, model(input_ids=ids, labels=ids, output_router_logits=False).loss)
+    model = moe_model(mlp_only_layers=[0, 1], output_router_logits=True)
+    out = model(input_ids=ids, labels=ids, output_router_logits=True)
+    assert out.router_logits == () and out.aux_loss is None
+    torch.testing.assert_close(out.loss, model(input_ids=ids, labels=ids, output_router_logits=False).loss)
+    dense = build(TfmForCausalLM, tiny_config())
+    out = dense(input_ids=ids, labels=ids, output_router_logits=True)
+    assert type(out) is CausalLMOutputWithPast and "router_logits" not in out
+    torch.testing.assert_close(out.loss, dense(input_ids=ids, labels=ids).loss)
 
 
 def test_router_logits_and_aux_loss_come_from_the_config():
