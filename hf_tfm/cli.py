@@ -971,6 +971,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if "tokens_equal" not in report:  # an encoder: its outputs on a padded batch
         print(f"verified in {RUNTIMES[args.format]}: outputs {', '.join(report['outputs'])} on {report['prompts']}")
         print(f"  largest difference: {report['max_diff']:.3g}")
+        _print_tokenizer_check(report)
         tolerance = ENCODER_TOLERANCE[args.format == "gguf"]
         if exact and report["max_diff"] > tolerance:
             error = f"hf-tfm export: error: the float32 export differs by more than {tolerance}"
@@ -986,10 +987,23 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"verified with {how}:")
     print(f"  greedy tokens equal: {'yes' if report['tokens_equal'] else 'no'} ({agreement} positions agree)")
     print(f"  largest logit difference: {report['max_logit_diff']:.3g}")
+    _print_tokenizer_check(report)
     if exact and not report["tokens_equal"]:
         print("hf-tfm export: error: the float32 export's greedy tokens differ from hf_tfm's", file=sys.stderr)
         return 1
     return 0
+
+
+def _print_tokenizer_check(report: dict) -> None:
+    """A GGUF's verify also tokenizes varied text in llama.cpp and with the folder's tokenizer (other formats run the
+    folder's own tokenizer, so they have nothing to compare)."""
+    if "tokenizer_agreement" not in report:
+        return
+    if report["tokenizer_agreement"] is None:
+        print(f"  tokenizer: not compared ({report['tokenizer_skipped']})")
+        return
+    texts, differs = report["tokenizer_texts"], len(report["tokenizer_differs"])
+    print(f"  tokenizer: the same ids on {texts - differs} of {texts} texts ({report['tokenizer_chars']} characters)")
 
 
 RUNTIMES = {"gguf": "llama.cpp", "onnx": "ONNX Runtime", "ctranslate2": "CTranslate2", "executorch": "ExecuTorch"}

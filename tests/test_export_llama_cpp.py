@@ -8,11 +8,13 @@ token cycle, so greedy steps have clear winners.
 
 import json
 import subprocess
+import unicodedata
 from pathlib import Path
 
 import pytest
+import tokenizer_shapes
 import torch
-from export_models import NEW_TOKENS, PROMPTS, train_tokenizer, trained
+from export_models import NEW_TOKENS, PROMPTS, config_of, train_tokenizer, trained
 from test_export_gguf import (
     BLOOM,
     GPT2,
@@ -31,11 +33,15 @@ from test_export_gguf import (
     QWEN3_MOE,
     REFACT,
     bert_encoder,
+    export_with_tokenizer,
     gguf,
 )
 
+from hf_tfm import TfmForCausalLM
 from hf_tfm.exporters import export
+from hf_tfm.exporters import gguf as gguf_export
 from hf_tfm.exporters.gguf import verify_gguf
+from hf_tfm.exporters.gguf_vocab import TEXTS, tokenizer_agreement
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = ROOT / ".venv-llama-cpp" / "bin" / "python"
@@ -209,3 +215,119 @@ def test_encoder_embeddings_in_llama_cpp(overrides, tmp_path, tokenizer, llama_c
     print(report)
     assert report["runtime"] == "llama.cpp" and report["outputs"] == ["last_hidden_state"]
     assert report["max_diff"] < 5e-3
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tokenizers: each shape's GGUF tokenized by llama.cpp itself against the folder's tokenizer
+# (tests/tokenizer_shapes.py: small tokenizers trained as Llama 2/3, Qwen2, GPT-2, StarCoder, BERT, ... build theirs).
+
+
+def _nfc(text: str) -> bool:
+    return unicodedata.normalize("NFC", text) == text
+
+
+# The texts llama.cpp tokenizes differently, by design, per shape (every other text must agree): Qwen2's NFC normalizer
+# is not applied by llama.cpp; llama.cpp's SentencePiece tokenizer puts its space before text that already starts with
+# one, where Metaspace does not.
+KNOWN_DIFFERENCES = {
+    "bpe-qwen2": lambda text: not _nfc(text),
+    "bpe-qwen35": lambda text: not _nfc(text),
+    "spm-metaspace": lambda text: text.startswith(" "),
+}
+
+
+@pytest.mark.parametrize("shape", list(tokenizer_shapes.SHAPES))
+def test_llama_cpp_tokenizes_as_the_folders_tokenizer(shape, tmp_path, llama_cpp):
+    """`verify` of each shape's export compares llama.cpp's tokenizer with the folder's on `gguf_vocab.TEXTS` (code,
+    whitespace runs, digits, several scripts, emoji; special tokens added as each adds them); held-out standard-library
+    code is compared the same way. Equal ids on every text but the shape's known differences, and those do differ."""
+    tokenizer, path = export_with_tokenizer(shape, tokenizer_shapes.build(shape), tmp_path)
+    report = verify_gguf(path, tmp_path / "model", max_new_tokens=2, runtime="llama.cpp")
+    held_out = tokenizer_shapes.held_out_texts()
+    more = tokenizer_agreement(path, tokenizer, str(PYTHON), held_out)
+    known = KNOWN_DIFFERENCES.get(shape, lambda text: False)
+    texts = len(TEXTS) + len(held_out)
+    equal = texts - len(report["tokenizer_differs"]) - len(more["tokenizer_differs"])
+    chars = report["tokenizer_chars"] + more["tokenizer_chars"]
+    back = report["detokenized_agreement"]
+    print(f"{shape}: ids equal on {equal}/{texts} texts ({chars} characters); round trip {back:.0%}")
+    assert report["tokenizer_runtime"].startswith("llama.cpp") and report["tokenizer_texts"] == len(TEXTS)
+    assert report["tokenizer_differs"] == [text for text in TEXTS if known(text)]
+    assert more["tokenizer_differs"] == [text for text in held_out if known(text)]
+    if shape.startswith("spm"):  # byte tokens typed BYTE come back as bytes (llama_detokenize, no 32-byte cut)
+        assert report["detokenized_agreement"] == 1.0
+
+
+def _with(**changes):
+    def mutate(vocab):
+        for name, value in changes.items():
+            setattr(vocab, name, value(vocab) if callable(value) else value)
+
+    return mutate
+
+
+# Controls: the metadata the export writes, each changed to a plausible wrong value, makes llama.cpp disagree on the
+# same texts: the comparison above can tell a right vocabulary from a wrong one.
+CONTROLS = {
+    "bpe-gpt-2 as pre 'default'": ("bpe-gpt-2", _with(pre="default")),
+    "bpe-starcoder as pre 'gpt-2'": ("bpe-starcoder", _with(pre="gpt-2")),
+    "bpe-llama-bpe as pre 'gpt-2'": ("bpe-llama-bpe", _with(pre="gpt-2")),
+    "bpe-qwen2 as pre 'smaug-bpe'": ("bpe-qwen2", _with(pre="smaug-bpe")),
+    "bpe-gpt-4o as pre 'gpt-2'": ("bpe-gpt-4o", _with(pre="gpt-2")),
+    "bpe-tekken as pre 'gpt-2'": ("bpe-tekken", _with(pre="gpt-2")),
+    "spm-legacy with flat scores": ("spm-legacy", _with(scores=lambda v: [-1000.0] * len(v.scores))),
+    "spm-legacy without the space prefix": ("spm-legacy", _with(add_space_prefix=False)),
+    "spm-gemma with the space prefix": ("spm-gemma", _with(add_space_prefix=True)),
+    "bert-cased lowercased": ("bert-cased", _with(lowercase=True, strip_accents=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(CONTROLS))
+def test_wrong_tokenizer_metadata_is_caught(case, tmp_path, monkeypatch):
+    shape, mutate = CONTROLS[case]
+    written = gguf_export.gguf_vocabulary
+
+    def wrong(*args, **kwargs):
+        vocab = written(*args, **kwargs)
+        mutate(vocab)
+        return vocab
+
+    monkeypatch.setattr(gguf_export, "gguf_vocabulary", wrong)
+    tokenizer, path = export_with_tokenizer(shape, tokenizer_shapes.build(shape), tmp_path)
+    report = tokenizer_agreement(path, tokenizer, str(PYTHON))
+    print(f"{case}: ids equal on {report['tokenizer_agreement']:.0%} of {report['tokenizer_texts']} texts")
+    assert report["tokenizer_differs"] and report["tokenizer_agreement"] < 1.0
+
+
+def test_real_mistral_tokenizer_in_llama_cpp(tmp_path, llama_cpp):
+    """A real vocabulary: Mistral 7B v0.1's tokenizer.model (32000 pieces; mistral-common's wheel, fetched once), in a
+    folder as transformers loads it (its conversion to Metaspace BPE with byte fallback), exported as llama.cpp's llama
+    vocabulary with merge-rank scores: llama.cpp gives transformers' ids on every text that does not start with a
+    space (Metaspace's known difference)."""
+    from transformers import AutoTokenizer
+
+    try:
+        model_file = tokenizer_shapes.mistral_tokenizer_model()
+    except RuntimeError as err:
+        pytest.skip(str(err))
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "tokenizer.model").write_bytes(model_file.read_bytes())
+    (source / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    assert len(tokenizer) == 32000
+    folder = tmp_path / "model"
+    config = {"vocab_size": 32000, "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    trained_like = TfmForCausalLM(config_of(**config)).eval()  # the vocabulary is what is checked
+    trained_like.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    path = export(folder, tmp_path / "mistral.gguf")
+    report = verify_gguf(path, folder, max_new_tokens=2, runtime="llama.cpp")
+    held_out = tokenizer_shapes.held_out_texts()
+    more = tokenizer_agreement(path, tokenizer, str(PYTHON), held_out)
+    texts = len(TEXTS) + len(held_out)
+    equal = texts - len(report["tokenizer_differs"]) - len(more["tokenizer_differs"])
+    print(f"mistral 7B v0.1: ids equal on {equal}/{texts} texts; round trip {report['detokenized_agreement']:.0%}")
+    assert report["tokenizer_differs"] == [text for text in TEXTS if text.startswith(" ")]
+    assert more["tokenizer_differs"] == [text for text in held_out if text.startswith(" ")]
+    assert report["detokenized_agreement"] == 1.0

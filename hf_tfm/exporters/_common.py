@@ -29,6 +29,7 @@ TOKENIZER_FILES = (
 # The encoder classes an export runs as one forward of a padded batch (features or a task head's outputs)
 ENCODER_CLASSES = (
     "TfmModel",
+    "TfmMoeModel",  # the backbone with experts (`TfmModel(config)` builds one)
     "TfmForSequenceClassification",
     "TfmForTokenClassification",
     "TfmForQuestionAnswering",
@@ -170,6 +171,24 @@ def run_side(
             raise RuntimeError(f"{runtime} failed on {args['path']}: {done.stderr.strip()[-2000:]}")
         with result_file.open("rb") as file:
             return pickle.load(file)  # written just now by our own child process
+
+
+def run_program(program: Path, args: dict[str, Any], runtime: str, python: str | None = None) -> Any:
+    """Run a runtime-side program file by path in a process of its own (`python`: default this one's interpreter):
+    `args` go in as JSON on stdin, the program writes its JSON result to the file named by its one argument. A failing
+    program raises `RuntimeError` naming `runtime` and its error."""
+    with tempfile.TemporaryDirectory(prefix="hf_tfm_verify_") as tmp:
+        result_file = Path(tmp) / "result.json"
+        done = subprocess.run(
+            [python or sys.executable, str(program), str(result_file)],
+            input=json.dumps(args),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0 or not result_file.is_file():
+            raise RuntimeError(f"{runtime} failed on {args['path']}: {done.stderr.strip()[-2000:]}")
+        return json.loads(result_file.read_text(encoding="utf-8"))
 
 
 def forced_agreement(ours: list, theirs: list, prompts: list[list[int]], seq2seq: bool, max_new_tokens: int) -> float:

@@ -29,15 +29,16 @@ keeps each architecture from it:
 * `qwen3moe`: Qwen3-MoE's block: the qwen3 attention (per-head qk-norm, no biases), every layer's feed-forward routed
   experts with the top-k probabilities renormalised (`norm_topk_prob=True`), no shared expert.
 
-The folder's byte-level BPE tokenizer goes in as llama.cpp's "gpt2" vocabulary with the GPT-2 pre-tokenizer (hf_tfm
-trains with GPT-2's regex), so llama.cpp tokenizes as hf_tfm does. K-quants (`q4_k_m`) are llama.cpp's own: the file is
-written in F32, then llama.cpp's quantizer rewrites it. `verify_gguf` runs a written file in llama.cpp itself
-(llama-cpp-python, in a process of its own) or loads it back through transformers' own GGUF loader (an in-tree Llama,
-Qwen2, Qwen3, GPT-2, BLOOM, Qwen2-MoE, Qwen3-MoE or Mixtral), and compares logits and greedy tokens.
+The folder's tokenizer goes in as the llama.cpp vocabulary that tokenizes as it does (`gguf_vocab`: byte-level BPE with
+a pre-tokenizer llama.cpp names, SentencePiece-shaped BPE, WordPiece), or the export is refused before anything is
+written. K-quants (`q4_k_m`) are llama.cpp's own: the file is written in F32, then llama.cpp's quantizer rewrites it.
+`verify_gguf` runs a written file in llama.cpp itself (llama-cpp-python, in a process of its own) or loads it back
+through transformers' own GGUF loader (an in-tree Llama, Qwen2, Qwen3, GPT-2, BLOOM, Qwen2-MoE, Qwen3-MoE or Mixtral),
+and compares logits and greedy tokens; where llama.cpp is available it also compares llama.cpp's tokenizer with the
+folder's (`gguf_vocab.tokenizer_agreement`).
 """
 
 import importlib.util
-import json
 import os
 import sys
 import tempfile
@@ -49,6 +50,7 @@ import torch
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
 from ..convert.core import export_blockers, need
 from ._common import agreement_report, encoder_max_diff, eos_ids, greedy_references, prompt_ids, run_side
+from .gguf_vocab import Vocabulary, gguf_vocabulary, load_tokenizer, tokenizer_agreement, write_vocabulary
 
 RUNTIME = "llama.cpp"
 ARCHITECTURES = (
@@ -455,78 +457,6 @@ def _add_tensor(writer, gguf, name: str, tensor: torch.Tensor, qtype: str) -> No
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Tokenizer
-
-
-def _tokenizer_metadata(text: str, where: str, config: TfmConfig) -> dict[str, Any]:
-    """A tokenizer.json (byte-level BPE) as llama.cpp's "gpt2" vocabulary, padded to `vocab_size` with unused
-    tokens."""
-    from tokenizers import Tokenizer
-
-    spec = json.loads(text)
-    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
-    pres = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    byte_level = [p for p in pres if p.get("type") == "ByteLevel"]
-    if (
-        model.get("type") != "BPE"
-        or len(pres) != 1
-        or not byte_level
-        or byte_level[0].get("add_prefix_space")
-        or not byte_level[0].get("use_regex", True)
-        or spec.get("normalizer")
-    ):
-        raise ValueError(
-            f"{where}: not a byte-level BPE tokenizer with GPT-2's pre-tokenizer (what hf_tfm trains); "
-            f"{RUNTIME}'s 'gpt2' vocabulary would tokenize text differently."
-        )
-    vocab: dict[str, int] = dict(model["vocab"])
-    added = {t["content"]: t for t in spec.get("added_tokens", [])}
-    vocab.update({content: token["id"] for content, token in added.items()})
-    if max(vocab.values()) >= config.vocab_size:
-        raise ValueError(
-            f"{where}: token id {max(vocab.values())} is outside the model's vocab_size {config.vocab_size}."
-        )
-    tokens = [f"[PAD{i}]" for i in range(config.vocab_size)]
-    types = [5] * config.vocab_size  # gguf.TokenType: 1 normal, 3 control, 4 user-defined, 5 unused
-    for token, token_id in vocab.items():
-        tokens[token_id] = token
-        types[token_id] = (3 if added[token].get("special") else 4) if token in added else 1
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    encoded = Tokenizer.from_str(text).encode("a", add_special_tokens=True).ids
-    eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
-    unk = vocab.get(model.get("unk_token") or "")
-    return {
-        "tokens": tokens,
-        "types": types,
-        "merges": merges,
-        "bos": config.bos_token_id,
-        "eos": eos,
-        "pad": config.pad_token_id,
-        "unk": unk,
-        "add_bos": bool(encoded) and encoded[0] == config.bos_token_id,
-        "add_eos": bool(encoded) and encoded[-1] == eos,
-    }
-
-
-def _tokenizer_json(source: Any, tokenizer: Any) -> tuple[str, str]:
-    """The tokenizer.json text to embed, and where it came from."""
-    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):  # a fast tokenizer object
-        return tokenizer.backend_tokenizer.to_str(), type(tokenizer).__name__
-    candidates = [tokenizer] if tokenizer is not None else [source]
-    for candidate in candidates:
-        path = Path(candidate) if candidate else None
-        if path is not None and path.is_dir():
-            path = path / "tokenizer.json"
-        if path is not None and path.is_file():
-            return path.read_text(encoding="utf-8"), str(path)
-    raise ValueError(
-        "GGUF embeds the tokenizer: no tokenizer.json found"
-        + (f" in {source}" if source else "")
-        + "; pass `tokenizer=` (a tokenizer, its folder or its tokenizer.json)."
-    )
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # Export
 
 
@@ -536,7 +466,7 @@ TAKES = "causal LMs (TfmForCausalLM) and encoders for embeddings (TfmModel)"
 def _load(model_or_folder: Any) -> tuple[torch.nn.Module, str | None]:
     from ..modeling import TfmForCausalLM, TfmModel
 
-    classes = {"TfmForCausalLM": TfmForCausalLM, "TfmModel": TfmModel}
+    classes = {"TfmForCausalLM": TfmForCausalLM, "TfmModel": TfmModel, "TfmMoeModel": TfmModel}
     if isinstance(model_or_folder, (str, os.PathLike)):
         folder = Path(model_or_folder)
         config = TfmConfig.from_pretrained(folder)
@@ -550,7 +480,9 @@ def _load(model_or_folder: Any) -> tuple[torch.nn.Module, str | None]:
     return model_or_folder, getattr(model_or_folder, "name_or_path", None) or None
 
 
-def _write(writer, gguf, config: TfmConfig, arch: str, tensors: dict, tok: dict, qtype: str, name: str) -> None:
+def _write(
+    writer, gguf, config: TfmConfig, arch: str, tensors: dict, vocab: Vocabulary, qtype: str, name: str
+) -> None:
     writer.add_name(name)
     writer.add_file_type(gguf.LlamaFileType[TYPES[qtype][1]])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -579,6 +511,7 @@ def _write(writer, gguf, config: TfmConfig, arch: str, tensors: dict, tok: dict,
     if arch == "bert":  # embeddings of the whole input, averaged (llama.cpp's server and tools can ask for others)
         writer.add_causal_attention(False)
         writer.add_pooling_type(gguf.PoolingType.MEAN)
+    if arch == "bert" or vocab.model == "bert":  # the token-type table's size (llama.cpp's bert reads it)
         writer.add_token_type_count(max(config.type_vocab_size, 1))
     if config.position_embedding_type == "rope":
         writer.add_rope_dimension_count(config.head_dim)
@@ -590,20 +523,7 @@ def _write(writer, gguf, config: TfmConfig, arch: str, tensors: dict, tok: dict,
         writer.add_parallel_residual(config.parallel_residual)
     if arch == "mpt" and config.position_embedding_type == "alibi":  # 0 (the default) is no ALiBi
         writer.add_max_alibi_bias(8.0)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")  # llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT2: GPT-2's regex, as hf_tfm trains
-    writer.add_token_list(tok["tokens"])
-    writer.add_token_types(tok["types"])
-    writer.add_token_merges(tok["merges"])
-    for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id)):
-        if tok[key] is not None:
-            add(tok[key])
-    if tok["pad"] is not None:
-        writer.add_pad_token_id(tok["pad"])
-    if tok["unk"] is not None:
-        writer.add_unk_token_id(tok["unk"])
-    writer.add_add_bos_token(tok["add_bos"])
-    writer.add_add_eos_token(tok["add_eos"])
+    write_vocabulary(writer, vocab)
     for tensor_name, tensor in tensors.items():
         _add_tensor(writer, gguf, tensor_name, tensor, TYPES[qtype][0])
     writer.write_header_to_file()
@@ -632,7 +552,8 @@ def export_gguf(
     model, source = _load(model_or_folder)
     config = model.config
     arch = gguf_architecture(config)
-    tok = _tokenizer_metadata(*_tokenizer_json(source, tokenizer), config)
+    tokenizer, where = load_tokenizer(source, tokenizer)
+    vocab = gguf_vocabulary(tokenizer, config, where)  # refused (ValueError) before anything is written
     out = output_path(out, qtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     name = Path(source).name if source else "hf_tfm"
@@ -642,7 +563,7 @@ def export_gguf(
     tmp, f32 = (_sibling(out, suffix) for suffix in (".tmp", ".f32.tmp"))
     writer = gguf.GGUFWriter(f32 if python else tmp, arch)
     try:
-        _write(writer, gguf, config, arch, tensors, tok, "f32" if python else qtype, name)
+        _write(writer, gguf, config, arch, tensors, vocab, "f32" if python else qtype, name)
         if python:  # llama.cpp's quantizer rewrites the F32 file, in a process of its own
             args = {"path": str(f32), "out": str(tmp), "ftype": LLAMA_CPP_QUANTIZED[qtype]}
             run_side(_LLAMA_CPP_QUANTIZE, {**args, "threads": torch.get_num_threads()}, True, RUNTIME, python=python)
@@ -832,16 +753,21 @@ def verify_gguf(
     max_new_tokens: int = 32,
     fresh_process: bool = True,
     runtime: str | None = None,
+    tokenizer: Any = None,
 ) -> dict[str, Any]:
     """Run `gguf_file` and compare it with the hf_tfm model it came from: greedy tokens (`max_new_tokens` per prompt,
-    EOS suppressed on both sides) and the logits on hf_tfm's greedy sequences.
+    EOS suppressed on both sides) and the logits on hf_tfm's greedy sequences; and llama.cpp's tokenizer with the
+    model's (`tokenizer`, else its folder's) on a few kilobytes of varied text (`gguf_vocab.TEXTS`).
 
     `runtime`: "llama.cpp" (llama-cpp-python, always in a process of its own: `llama_cpp_python()` says which Python)
     or "transformers" (transformers' own GGUF loader, in a fresh process unless `fresh_process=False`); None: the
     loader where it reads the architecture (`TRANSFORMERS_READS`), else llama.cpp. `prompts` are token ids, or texts
     for the folder's tokenizer; None: two texts of different lengths. Returns `tokens_equal`, `agreement` (the share of
     generated positions with equal tokens), `forced_agreement`, `max_logit_diff`, the `runtime`, the `class` that ran
-    it (in-tree class or llama.cpp's version) and the file's `architecture` and `file_type`.
+    it (in-tree class or llama.cpp's version) and the file's `architecture` and `file_type`; then
+    `tokenizer_agreement` (the share of texts both tokenizers give the same ids), `tokenizer_differs` (the texts that
+    differ) and `detokenized_agreement`, or `tokenizer_agreement` None and `tokenizer_skipped` saying why (no
+    llama.cpp, no tokenizer).
     """
     gguf = _import_gguf()
     gguf_file = Path(gguf_file).resolve()
@@ -859,8 +785,10 @@ def verify_gguf(
     python = llama_cpp_python() if runtime == "llama.cpp" else None
     if runtime == "llama.cpp" and python is None:
         raise ImportError(f"Verifying a GGUF {arch} file {LLAMA_CPP_HINT}.")
+    tokenization = _tokenizer_check(gguf_file, source, tokenizer)
     if arch == "bert":  # an encoder: each token's hidden state, in llama.cpp
-        return _verify_embeddings(gguf_file, model, prompts, arch, gguf.LlamaFileType(file_type).name, python)
+        report = _verify_embeddings(gguf_file, model, prompts, arch, gguf.LlamaFileType(file_type).name, python)
+        return report | tokenization
     references = greedy_references(model, prompts, max_new_tokens)
     with torch.no_grad():
         ours = [model(torch.tensor([ref])).logits[0].float() for ref in references]
@@ -887,7 +815,21 @@ def verify_gguf(
         "runtime": runtime,
         "class": theirs["class"],
         **agreement_report(ours, theirs, references, prompts, False, max_new_tokens),
+        **tokenization,
     }
+
+
+def _tokenizer_check(path: Path, source: str | None, tokenizer: Any) -> dict[str, Any]:
+    """llama.cpp's tokenizer against the model's (`gguf_vocab.tokenizer_agreement`) when both are at hand: it needs
+    llama.cpp whichever runtime checks the numbers. Otherwise `tokenizer_agreement` None and why."""
+    python = llama_cpp_python()
+    if python is None:
+        return {"tokenizer_agreement": None, "tokenizer_skipped": f"comparing tokenizers {LLAMA_CPP_HINT}"}
+    try:
+        loaded, _ = load_tokenizer(source, tokenizer)
+    except ValueError as err:  # a model object, or a folder without its tokenizer
+        return {"tokenizer_agreement": None, "tokenizer_skipped": str(err)}
+    return tokenizer_agreement(path, loaded, python)
 
 
 def _verify_embeddings(path: Path, model: Any, prompts: list, arch: str, file_type: str, python: str) -> dict:
