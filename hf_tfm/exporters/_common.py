@@ -85,7 +85,7 @@ def prompt_ids(prompts: list[list[int]] | list[str] | None, tokenizer_folder: st
         raise ValueError("text prompts need the model's folder (its tokenizer): pass token ids.")
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder, trust_remote_code=False)  # runs no folder code
     return [tokenizer(text)["input_ids"] for text in prompts or DEFAULT_PROMPTS]
 
 

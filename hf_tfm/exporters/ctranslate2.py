@@ -438,7 +438,7 @@ def _tokenizer(source: str | None, tokenizer: Any) -> tuple[dict[str, int], str 
     if path is not None and (path / "tokenizer.json").is_file():
         from transformers import AutoTokenizer
 
-        loaded = AutoTokenizer.from_pretrained(path)
+        loaded = AutoTokenizer.from_pretrained(path, trust_remote_code=False)  # runs no folder code
         files = [path / name for name in TOKENIZER_FILES if (path / name).is_file()]
 
         def copy(out: str | os.PathLike) -> None:

@@ -109,7 +109,7 @@ def _load(model_or_folder: Any) -> tuple[torch.nn.Module, str | None]:
 
     if isinstance(model_or_folder, (str, os.PathLike)):
         folder = Path(model_or_folder)
-        config = AutoConfig.from_pretrained(folder)
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)  # exports installed classes only
         blocked = executorch_blockers(config)
         if blocked:
             raise ValueError(f"{folder}: {'; '.join(blocked)}.")
