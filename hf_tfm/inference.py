@@ -32,6 +32,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
+from .aot import install, step_blockers
 from .kernels import GROUP_LIMIT, GROUP_MULTIPLE, native_kernels_available, pack_int4, unpack_int4
 from .quantization import NATIVE_SETTINGS, quantization_kwargs
 
@@ -367,10 +368,13 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, sdpa_mask)
 def compile_generation(model: PreTrainedModel) -> PreTrainedModel:
     """Make `model.generate()` decode with a static cache and a compiled step, on any device; returns `model`.
 
-    Every plain `nn.Linear` becomes a `StreamingLinear` (same parameters; a faster single-token product once
-    compiled), and a CPU model on sdpa takes `decode_attention` (sdpa, but the plain formula for a single query).
-    Weights of a quantizer that transformers marks as not compileable (bitsandbytes) keep eager decoding, with a
-    warning: generate() would skip compiling them anyway."""
+    A decoder-only causal LM on a CPU gets the step compiled ahead of time (`hf_tfm.aot.install`: one C++ call per
+    token, at its first decode step); a model it cannot take (`hf_tfm.aot.step_blockers`: experts, sliding windows,
+    an encoder-decoder, a GPU) gets transformers' `torch.compile` of the forward, through the generation config.
+    Every plain `nn.Linear` becomes a `StreamingLinear` (same parameters; a faster product for a few tokens), and a
+    CPU model on sdpa takes `decode_attention` (sdpa, but the plain formula for a single query). Weights of a
+    quantizer that transformers marks as not compileable (bitsandbytes) keep eager decoding, with a warning:
+    generate() would skip compiling them anyway."""
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None and not quantizer.is_compileable:
         logger.warning(
@@ -382,6 +386,9 @@ def compile_generation(model: PreTrainedModel) -> PreTrainedModel:
         StreamingLinear.from_linear(linear)
     if model.config._attn_implementation == "sdpa" and model.device.type == "cpu":
         model.set_attn_implementation(DECODE_ATTENTION)
+    model.generation_config.cache_implementation = "static"
+    if quantizer is None and not step_blockers(model):  # a quantizer's tensor subclasses do not export
+        return install(model)
     # fullgraph=False: a layer torch cannot trace (a quantizer's kernel, MoE's data-dependent routing) splits the
     # graph instead of failing; the dense models compile as one graph (tested).
     config = CompileConfig(fullgraph=False)
@@ -392,7 +399,6 @@ def compile_generation(model: PreTrainedModel) -> PreTrainedModel:
         # "reduce-overhead" means CUDA graphs: nothing on a CPU.
         config.mode, config.options = None, {"realize_reads_threshold": 0}
     config._compile_all_devices = True  # private: generate() compiles on CUDA/XPU/MPS only without it
-    model.generation_config.cache_implementation = "static"
     model.generation_config.compile_config = config
     return model
 

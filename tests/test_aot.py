@@ -1,103 +1,218 @@
-"""`hf_tfm.aot.AotDecoder`: greedy decoding through an AOTInductor-compiled step gives `generate()`'s tokens."""
+"""The compiled decode step (`hf_tfm.aot`): `generate()`'s one-token steps through an AOTInductor library give the
+model's own tokens, for every `generate()` feature.
+
+The oracle is the same checkpoint loaded without the step (`load_for_inference(..., compile=False)`, the model's eager
+forward): greedy tokens equal, and sampled ones with the same seed (the step's logits equal the eager ones within
+float tolerance, 1e-5 here, so a seeded draw picks the same tokens). Each test also counts the library's calls, so a
+step that silently fell back to the model's forward fails. The models are tests/export_models.py's, trained on a token
+cycle so each greedy step has a clear winner; one library (batch and cache length dynamic) serves every test of a
+model.
+"""
 
 import pytest
 import torch
 from conftest import tiny_seq2seq_config
-from export_models import CYCLE, NEW_TOKENS, trained
+from export_models import CYCLE, NEW_TOKENS, saved, train_tokenizer, trained
 from test_inference import FUSABLE
+from transformers import AutoTokenizer, TextIteratorStreamer, pipeline
 
 from hf_tfm import TfmForConditionalGeneration, load_for_inference
-from hf_tfm.aot import AotDecoder
+from hf_tfm.aot import AotDecoder, CompiledDecodeStep, install, step_blockers
 from hf_tfm.kernels import native_kernels_available
 
-# two prompts of one length, taken at different places of the cycle the tiny model learnt
-PROMPTS = torch.tensor([[1, *CYCLE[3:12]], [1, *CYCLE[30:39]]])
-MAX_LENGTH = PROMPTS.shape[1] + NEW_TOKENS
+PROMPTS = torch.tensor([[1, *CYCLE[3:12]], [1, *CYCLE[30:39]]])  # two prompts of one length
+# a left-padded batch of three prompts of different lengths (pad id 0)
+PADDED = torch.tensor([[0, 0, 0, 0, 1, *CYCLE[3:8]], [1, *CYCLE[20:29]], [0, 0, 1, *CYCLE[40:47]]])
+PADDED_MASK = (PADDED != 0).long()
+
+
+def loaded(folder, quantize=None):
+    """(the model with the compiled step, the same checkpoint decoding eagerly)."""
+    fast = load_for_inference(folder, quantize=quantize)
+    assert isinstance(fast.compiled_decode_step, CompiledDecodeStep)
+    return fast, load_for_inference(folder, quantize=quantize, compile=False)
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    """The cycle model saved with a tokenizer (for stop strings, streamers, pipelines), fast and eager."""
+    folder = saved(FUSABLE, tmp_path_factory.mktemp("lm") / "lm", train_tokenizer())
+    return loaded(folder)
+
+
+def steps(model) -> int:
+    return model.compiled_decode_step.calls
+
+
+def generate_both(pair, seed: int | None = None, **options):
+    """The fast model's output and the eager one's, each drawn from the same seed, and the fast model's step count."""
+    outputs, before = [], steps(pair[0])
+    for model in pair:
+        if seed is not None:
+            torch.manual_seed(seed)
+        outputs.append(model.generate(**options))
+    return *outputs, steps(pair[0]) - before
+
+
+def test_greedy_left_padded_batch_equals_eager(lm):
+    fast, eager, calls = generate_both(
+        lm,
+        input_ids=PADDED,
+        attention_mask=PADDED_MASK,
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    assert torch.equal(fast, eager)
+    assert calls == NEW_TOKENS - 1  # every token but the one the prompt gives
+
+
+def test_step_logits_equal_the_forward_s(lm):
+    fast, eager, _ = generate_both(
+        lm,
+        input_ids=PADDED,
+        attention_mask=PADDED_MASK,
+        max_new_tokens=8,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    torch.testing.assert_close(torch.stack(fast.logits), torch.stack(eager.logits), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize(
-    "quantize",
-    [None, pytest.param("q4", marks=pytest.mark.skipif(not native_kernels_available(), reason="no native kernel"))],
+    "sampling",
+    [
+        {"temperature": 0.7},
+        {"top_k": 5},
+        {"top_p": 0.8, "temperature": 1.3},
+        {"repetition_penalty": 1.5, "top_k": 20},
+        {"num_return_sequences": 3, "top_p": 0.9},
+    ],
+    ids=["temperature", "top-k", "top-p", "repetition-penalty", "num-return-sequences"],
 )
-def test_aot_greedy_equals_generate_and_stops_where_generate_stops(quantize, tmp_path):
-    """The compiled step's tokens are `generate()`'s, for one prompt and for two decoded together; with an end token
-    that one sequence makes early and the other later, both stop and pad as `generate()` does."""
-    trained(FUSABLE).save_pretrained(tmp_path)  # widths the int4 kernel takes
-    model = load_for_inference(tmp_path, quantize=quantize)
-    options = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": 0}
-    expected = model.generate(PROMPTS, attention_mask=torch.ones_like(PROMPTS), eos_token_id=[], **options)
-    assert expected.shape[1] == MAX_LENGTH
-    single = AotDecoder(model, MAX_LENGTH)
-    assert torch.equal(single.generate(PROMPTS[:1], NEW_TOKENS, eos_token_id=[]), expected[:1])
-    # again: a new prompt restarts the cache the last call filled
-    assert torch.equal(single.generate(PROMPTS[1:], NEW_TOKENS, eos_token_id=[]), expected[1:])
-
-    pair = AotDecoder(model, MAX_LENGTH, batch_size=2)
-    assert torch.equal(pair.generate(PROMPTS, NEW_TOKENS, eos_token_id=[]), expected)
-    new = expected[:, PROMPTS.shape[1] :].tolist()
-    # end tokens that row 0 makes at its 4th step and row 1 at its 11th: row 0 stops and pads, then row 1 stops
-    end = [new[0][3], new[1][10]]
-    assert end[0] not in new[1][:10] and end[1] not in new[0][:4]
-    stopped = model.generate(PROMPTS, attention_mask=torch.ones_like(PROMPTS), eos_token_id=end, **options)
-    assert stopped.shape[1] < MAX_LENGTH
-    assert torch.equal(pair.generate(PROMPTS, NEW_TOKENS, eos_token_id=end), stopped)
-
-
-def test_aot_mixture_of_experts_decodes_generate_s_tokens(tmp_path):
-    """A mixture-of-experts step exports with every expert run and weighted by its routing weight (zero where not
-    chosen, as the ExecuTorch export does): the same greedy tokens as `generate()`'s routed experts."""
-    trained({"num_experts": 4, "num_experts_per_tok": 2}).save_pretrained(tmp_path)
-    model = load_for_inference(tmp_path, compile=False)
-    expected = model.generate(PROMPTS[:1], max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
-    assert torch.equal(AotDecoder(model, MAX_LENGTH).generate(PROMPTS[:1], NEW_TOKENS, eos_token_id=[]), expected)
-
-
-def test_aot_decoder_refuses_what_it_was_not_compiled_for(tmp_path):
-    trained({}).save_pretrained(tmp_path)
-    model = load_for_inference(tmp_path, compile=False)
-    with pytest.raises(ValueError, match="max_length"):
-        AotDecoder(model, model.config.max_position_embeddings + 1)
-    with pytest.raises(ValueError, match="decoder-only"):
-        AotDecoder(TfmForConditionalGeneration(tiny_seq2seq_config()), MAX_LENGTH)
-    decoder = AotDecoder(model, MAX_LENGTH)
-    with pytest.raises(ValueError, match="batch_size=1"):
-        decoder.generate(PROMPTS, NEW_TOKENS)
-    with pytest.raises(ValueError, match="max_length"):
-        decoder.generate(PROMPTS[:1], NEW_TOKENS + 1)
-
-
-def test_cli_generate_aot_prints_the_greedy_continuation(tmp_path, capsys):
-    """`hf-tfm generate --greedy --aot` prints what `--greedy` prints; without --greedy it refuses."""
-    from export_models import saved, train_tokenizer
-
-    from hf_tfm.cli import main
-
-    folder = saved({}, tmp_path / "lm", train_tokenizer())
-    argv = ["generate", str(folder), "--prompt", "def f", "--max-new-tokens", "6", "--no-stream"]
-    assert main([*argv, "--greedy"]) == 0
-    expected = capsys.readouterr().out
-    assert main([*argv, "--greedy", "--aot"]) == 0
-    assert capsys.readouterr().out == expected
-    assert main([*argv, "--aot"]) != 0
-    assert "--aot decodes greedily" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_aot_step_computes_attention_in_its_own_loops(attention, tmp_path, monkeypatch):
-    """Whatever the model's attention, the step is exported with eager attention, which Inductor fuses into a loop of
-    its own per layer: SDPA is never traced, so no SDPA library call runs in a step (one costs about 50 us on CPU, a
-    fifth of a q4 step on the bench's base shape). The model keeps its own implementation, and decodes as before."""
-    trained({}).save_pretrained(tmp_path)
-    model = load_for_inference(tmp_path, compile=False)
-    model.set_attn_implementation(attention)
-    expected = model.generate(PROMPTS[:1], max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
-    traced = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(
-        torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: traced.append(1) or sdpa(*a, **k)
+def test_seeded_sampling_equals_eager(lm, sampling):
+    fast, eager, calls = generate_both(
+        lm,
+        seed=7,
+        input_ids=PADDED,
+        attention_mask=PADDED_MASK,
+        max_new_tokens=12,
+        do_sample=True,
+        pad_token_id=0,
+        **sampling,
     )
-    decoder = AotDecoder(model, MAX_LENGTH)
-    assert not traced
-    assert model.config._attn_implementation == attention
-    assert torch.equal(decoder.generate(PROMPTS[:1], NEW_TOKENS, eos_token_id=[]), expected)
-    assert traced or attention == "eager"  # the prompt ran through the model's own attention
+    assert torch.equal(fast, eager) and calls > 0
+
+
+def test_beam_search_equals_eager(lm):
+    fast, eager, calls = generate_both(lm, input_ids=PROMPTS, max_new_tokens=10, num_beams=3, do_sample=False)
+    assert torch.equal(fast, eager) and calls > 0
+
+
+def test_stop_strings_and_streamer(lm):
+    tokenizer = AutoTokenizer.from_pretrained(lm[0].name_or_path)
+    prompt = torch.tensor([[1, *CYCLE[3:12]]])
+    full = lm[1].generate(prompt, max_new_tokens=20, do_sample=False)
+    stop = tokenizer.decode(full[0, prompt.shape[1] + 6 : prompt.shape[1] + 7])  # a piece the 7th new token decodes to
+    fast, eager, _ = generate_both(
+        lm, input_ids=prompt, max_new_tokens=20, do_sample=False, stop_strings=[stop], tokenizer=tokenizer
+    )
+    assert torch.equal(fast, eager) and fast.shape[1] < full.shape[1]
+    streamer = TextIteratorStreamer(tokenizer)
+    out = lm[0].generate(prompt, max_new_tokens=12, do_sample=False, streamer=streamer)
+    assert "".join(streamer) == tokenizer.decode(out[0])
+
+
+def test_text_generation_pipeline_takes_the_step(lm):
+    fast, eager = lm
+    before = steps(fast)
+    texts = [
+        pipeline("text-generation", model=model, tokenizer=model.name_or_path)(
+            "def f", max_new_tokens=8, do_sample=False
+        )
+        for model in (fast, eager)
+    ]
+    assert texts[0] == texts[1] and steps(fast) > before
+
+
+@pytest.mark.skipif(not native_kernels_available(), reason="no native kernel")
+def test_q4_greedy_equals_eager(tmp_path):
+    trained(FUSABLE).save_pretrained(tmp_path)
+    pair = loaded(tmp_path, quantize="q4")
+    fast, eager, calls = generate_both(
+        pair,
+        input_ids=PADDED,
+        attention_mask=PADDED_MASK,
+        max_new_tokens=16,
+        min_new_tokens=16,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    assert torch.equal(fast, eager) and calls == 15
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"position_embedding_type": "alibi"}, {"position_embedding_type": "learned", "norm_position": "post"}],
+    ids=["alibi", "learned-post-norm"],
+)
+def test_other_positions_equal_eager(tmp_path, overrides):
+    trained(overrides).save_pretrained(tmp_path)
+    fast, eager, calls = generate_both(
+        loaded(tmp_path),
+        input_ids=PADDED,
+        attention_mask=PADDED_MASK,
+        max_new_tokens=12,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    assert torch.equal(fast, eager) and calls == 11
+
+
+@pytest.mark.parametrize(
+    ("overrides", "why"),
+    [
+        ({"num_experts": 4, "num_experts_per_tok": 2}, "mixture-of-experts"),
+        ({"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}, "sliding-window"),
+    ],
+)
+def test_what_the_step_does_not_take_keeps_the_compiled_generate(tmp_path, overrides, why):
+    """Experts and sliding windows keep torch.compile's step (a compile config), and generate() their tokens."""
+    trained(overrides).save_pretrained(tmp_path)
+    model = load_for_inference(tmp_path)
+    assert any(why in blocker for blocker in step_blockers(model))
+    assert getattr(model, "compiled_decode_step", None) is None and model.generation_config.compile_config
+    expected = load_for_inference(tmp_path, compile=False).generate(PROMPTS, max_new_tokens=8, do_sample=False)
+    assert torch.equal(model.generate(PROMPTS, max_new_tokens=8, do_sample=False), expected)
+    with pytest.raises(ValueError, match=why):
+        install(model)
+    with pytest.raises(ValueError, match="decoder-only"):
+        install(TfmForConditionalGeneration(tiny_seq2seq_config()))
+
+
+def test_calls_the_step_does_not_take_run_the_model(lm):
+    """A prompt, a call with gradients, a dynamic cache: the model's own forward, the library untouched."""
+    fast, eager = lm
+    before = steps(fast)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(input_ids=PROMPTS).logits, eager(input_ids=PROMPTS).logits)
+        out = fast(input_ids=PROMPTS, use_cache=True)
+        fast(input_ids=PROMPTS[:, :1], cache=out.cache if hasattr(out, "cache") else out.past_key_values)
+    fast(input_ids=PROMPTS).logits.sum().backward()
+    fast.zero_grad()
+    assert steps(fast) == before
+
+
+def test_aot_decoder_is_deprecated_and_decodes_as_generate(lm):
+    fast, eager = lm
+    with pytest.warns(FutureWarning, match="deprecated"):
+        decoder = AotDecoder(fast, PROMPTS.shape[1] + 8, batch_size=2)
+    expected = eager.generate(PROMPTS, max_new_tokens=8, do_sample=False, eos_token_id=[])
+    assert torch.equal(decoder.generate(PROMPTS, 8, eos_token_id=[]), expected)
+    with pytest.raises(ValueError, match="batch_size=2"):
+        decoder.generate(PROMPTS[:1], 8)
+    with pytest.raises(ValueError, match="max_length"):
+        decoder.generate(PROMPTS, 9)

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from conftest import compiled_generate, eager_generate
 from export_models import NEW_TOKENS, trained
 from torch import nn
 from torch._dynamo.utils import counters
@@ -195,11 +196,8 @@ def test_q4_compiled_greedy_equals_eager_and_tracks_the_float_model(tmp_path):
     assert {m.bits for m in layers if m is not fast.lm_head} == {4}
     ids = torch.tensor([[1, 5, 12, 19, 26, 33, 40]])
     options = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False}
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = fast.generate(ids, **options)
-    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters)
-    assert torch.equal(compiled, fast.generate(ids, disable_compile=True, **options))
+    compiled = compiled_generate(fast, ids, **options)
+    assert torch.equal(compiled, eager_generate(fast, ids, **options))
     assert torch.equal(compiled, model.generate(ids, **options))
 
 
