@@ -29,9 +29,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/hf-tfm demo $(ARGS)
 
+# `make test`: the suite without what only CI needs (tests marked `ci` in tests/conftest.py's CI_ONLY: every release,
+# the runtimes per variant, several processes, servers, the tooling scripts), in two pytest-xdist workers, each with
+# its torch on one thread (two multi-threaded OpenMP processes spin against each other and slow 10-20x). MARKS="..."
+# picks other tests (MARKS= for all; the `solo` ones want WORKERS=1: deadlines), WORKERS=1 runs in one process.
+MARKS ?= not ci
+WORKERS ?= 2
+XDIST = $(if $(filter-out 0 1,$(WORKERS)),-n $(WORKERS) --dist loadfile)
 test: $(STAMP)
 	$(VENV)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
-	$(VENV)/bin/python -m pytest $(ARGS)
+	$(if $(XDIST),OMP_NUM_THREADS=1) $(VENV)/bin/python -m pytest $(XDIST) $(if $(MARKS),-m "$(MARKS)") $(ARGS)
 
 # Every release's environment, made before any suite runs (tests/test_cross_release.py loads checkpoints across them).
 matrix-env:
@@ -66,23 +73,25 @@ test-matrix: matrix-env
 	rm -rf $(MATRIX_TMP) && mkdir -p $(MATRIX_TMP)
 	( export OMP_NUM_THREADS=1; set -e; for v in $(MATRIX); do \
 		case " $(COMMON_ENDS) " in \
-			*" $$v "*) skip="$(addprefix --ignore=,$(NEWEST_ONLY)) -m 'not solo'";; \
-			*) skip="$(addprefix --ignore=,$(ENDS_ONLY) $(NEWEST_ONLY)) -m 'not slow'";; \
+			*" $$v "*) skip="$(addprefix --ignore=,$(NEWEST_ONLY))"; marks="not solo";; \
+			*) skip="$(addprefix --ignore=,$(ENDS_ONLY) $(NEWEST_ONLY))"; marks="not slow and not solo";; \
 		esac; \
-		HF_MODULES_CACHE=$(MATRIX_TMP)/modules-$$v $(MAKE) test TRANSFORMERS=$$v ARGS="$$skip $(ARGS)"; \
+		HF_MODULES_CACHE=$(MATRIX_TMP)/modules-$$v $(MAKE) test TRANSFORMERS=$$v WORKERS=1 MARKS="$$marks" \
+			ARGS="$$skip $(ARGS)"; \
 	done; \
-	HF_MODULES_CACHE=$(MATRIX_TMP)/modules-tooling $(MAKE) test ARGS="$(NEWEST_ONLY) -m 'not solo' $(ARGS)" \
+	HF_MODULES_CACHE=$(MATRIX_TMP)/modules-tooling $(MAKE) test WORKERS=1 MARKS="not solo" ARGS="$(NEWEST_ONLY) $(ARGS)" \
 	) > $(MATRIX_LOG) 2>&1 & pinned=$$!; \
-	OMP_NUM_THREADS=1 HF_MODULES_CACHE=$(MATRIX_TMP)/modules-newest $(MAKE) test \
-		ARGS="$(addprefix --ignore=,$(NEWEST_ONLY)) -m 'not solo' $(ARGS)"; \
+	OMP_NUM_THREADS=1 HF_MODULES_CACHE=$(MATRIX_TMP)/modules-newest $(MAKE) test WORKERS=1 MARKS="not solo" \
+		ARGS="$(addprefix --ignore=,$(NEWEST_ONLY)) $(ARGS)"; \
 	newest=$$?; wait $$pinned; pinned=$$?; \
 	echo "--- the pinned releases ($(MATRIX)), then NEWEST_ONLY on the newest, beside the newest ($(MATRIX_LOG)):"; \
 	cat $(MATRIX_LOG); \
-	echo "--- the solo tests, alone: the newest release, then $(COMMON_ENDS)"; \
-	HF_MODULES_CACHE=$(MATRIX_TMP)/modules-newest $(MAKE) test ARGS="-m solo $(ARGS)"; solo=$$?; \
+	echo "--- the solo tests, alone: the newest release, then $(COMMON_ENDS) (vLLM's on the newest only: its server runs"; \
+	echo "    in its own environment, whatever release saved the folder)"; \
+	HF_MODULES_CACHE=$(MATRIX_TMP)/modules-newest $(MAKE) test WORKERS=1 MARKS=solo ARGS="$(ARGS)"; solo=$$?; \
 	for v in $(COMMON_ENDS); do \
-		HF_MODULES_CACHE=$(MATRIX_TMP)/modules-$$v $(MAKE) test TRANSFORMERS=$$v \
-			ARGS="$(addprefix --ignore=,$(NEWEST_ONLY)) -m solo $(ARGS)" || solo=1; \
+		HF_MODULES_CACHE=$(MATRIX_TMP)/modules-$$v $(MAKE) test TRANSFORMERS=$$v WORKERS=1 MARKS=solo \
+			ARGS="$(addprefix --ignore=,$(NEWEST_ONLY) tests/test_serving_vllm.py) $(ARGS)" || solo=1; \
 	done; \
 	echo "--- newest release: exit $$newest; pinned releases: exit $$pinned; solo tests: exit $$solo"; \
 	test $$newest = 0 && test $$pinned = 0 && test $$solo = 0

@@ -18,6 +18,13 @@ from types import ModuleType
 import pytest
 import torch
 
+# pytest-xdist's workers (`make test` runs two) each get their own remote-code module cache, as the two lanes of `make
+# test-matrix` do: two processes copying into one transformers_modules folder race. Set before transformers is
+# imported, which reads it then.
+if worker := os.environ.get("PYTEST_XDIST_WORKER"):
+    modules = os.environ.get("HF_MODULES_CACHE", str(Path.home() / ".cache" / "huggingface" / "modules"))
+    os.environ["HF_MODULES_CACHE"] = f"{modules}-{worker}"
+
 import hf_tfm  # noqa: F401  (registers the Auto classes)
 from hf_tfm import TfmConfig, TfmSeq2SeqConfig
 from hf_tfm.modeling import CACHE_NAME
@@ -36,10 +43,53 @@ def fresh_dynamo():
         torch._dynamo.utils.counters.clear()  # reset() keeps them; cleared, they say whether the next test compiled
 
 
+# What only CI needs, marked `ci`: `make test-matrix` runs it, `make test` leaves it out (`-m "not ci"`) so a
+# newcomer's first run takes minutes. Test file -> (the tests, by a regex on their names with parameters; why). The
+# runtime exports keep one case of each kind in `make test`, so every exporter's code still runs there.
+CI_ONLY = {
+    "test_distributed.py": (r"", "several processes (DDP, FSDP2, TP)"),
+    "test_serving.py": (r"test_transformers_serve", "a server"),
+    "test_serving_vllm.py": (r"", "vLLM's server, in its own environment"),
+    "test_moe.py": (
+        r"test_torchrun|test_tensor_and_expert_parallel|test_moe_checkpoint_loads_under_another",
+        "several processes, every release",
+    ),
+    "test_training.py": (r"test_free_core_threads_gives_a_busy_process", "two processes competing for the cores"),
+    "test_cross_release.py": (r"", "every release's environment"),
+    "test_bench.py": (r"", "the benchmark script (tooling)"),
+    "test_gpu_check.py": (r"", "the GPU-check script (tooling)"),
+    "test_client_trl.py": (r"test_remote_code", "a fresh process without hf_tfm"),
+    "test_client_lm_eval.py": (r"test_remote_code", "a fresh process without hf_tfm"),
+    "test_client_sentence_transformers.py": (r"test_remote_code", "a fresh process without hf_tfm"),
+    "test_export_executorch.py": (
+        r"test_export_generates_as_generate\[(?!llama-gqa)|test_encoder_export_matches_on_a_padded_batch\[(?!rope-gqa)"
+        r"|test_encoder_runner|test_cli_export|test_folder_export",
+        "ExecuTorch's runtime, per variant",
+    ),
+    "test_export_onnx.py": (
+        r"test_f32_export_decodes_a_padded_batch_as_generate\[(?!llama-gqa)|test_quantized_weights"
+        r"|test_encoder_heads_on_a_padded_batch\[(?!TfmForSequenceClassification)"
+        r"|test_encoder_decoder_decodes_a_padded_batch_as_generate\[(?!paper)|test_sliding|test_cli_export|test_folder_export",
+        "ONNX Runtime, per variant",
+    ),
+    "test_export_ctranslate2.py": (
+        r"test_float32_is_exact_and_int8_agrees\[(?!llama-gqa-untied)|test_other_types"
+        r"|test_encoder_float32_matches_on_a_padded_batch\[(?!bert-types-pooler)"
+        r"|test_seq2seq_float32_is_exact_and_int8_agrees\[(?!bart)|test_cli_export|test_.*fresh_process",
+        "CTranslate2, per variant",
+    ),
+}
+
+
 def pytest_collection_modifyitems(items: list) -> None:
-    """transformers' common model tests (test_transformers_common.py) run first, in a process no test has touched yet:
-    their loading-report checks read transformers' log output, which an earlier test in a full run leaves silent (not
-    through the log level, which `transformers_verbosity` restores; not found yet, see issue 18's closing note)."""
+    """Marks `CI_ONLY` tests `ci`. transformers' common model tests (test_transformers_common.py) run first, in a
+    process no test has touched yet: their loading-report checks read transformers' log output, which an earlier test
+    in a full run leaves silent (not through the log level, which `transformers_verbosity` restores; not found yet,
+    see issue 18's closing note)."""
+    for item in items:
+        pattern, _ = CI_ONLY.get(item.path.name, (None, None))
+        if pattern is not None and re.match(pattern, item.name):
+            item.add_marker(pytest.mark.ci)
     items.sort(key=lambda item: item.path.name != "test_transformers_common.py")  # stable: the rest keep their order
 
 
@@ -196,6 +246,35 @@ def run_without_hf_tfm(code: str, tmp_path: Path, timeout: float = 180.0, python
             f"--- stderr ---\n{result.stderr}"
         )
     return result.stdout
+
+
+def compiled_generate(model, *args, **kwargs):
+    """`model.generate(...)`, which must decode through a compiled step: `hf_tfm.aot`'s library where the model has
+    one (a decoder-only causal LM on a CPU), else a dynamo graph per step, with no graph break."""
+    from torch._dynamo.utils import counters
+
+    step = getattr(model, "compiled_decode_step", None)
+    before = step.calls if step is not None else 0
+    torch._dynamo.reset()
+    counters.clear()
+    output = model.generate(*args, **kwargs)
+    if step is not None:
+        assert step.calls > before, "generate() never called the compiled decode step"
+    else:
+        assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters)
+    return output
+
+
+def eager_generate(model, *args, **kwargs):
+    """`model.generate(...)` through the model's own forward: its compiled decode step off, compiling disabled."""
+    step = getattr(model, "compiled_decode_step", None)
+    if step is not None:
+        step.enabled = False
+    try:
+        return model.generate(*args, disable_compile=True, **kwargs)
+    finally:
+        if step is not None:
+            step.enabled = True
 
 
 @pytest.fixture(name="tiny_config")
