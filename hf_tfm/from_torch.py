@@ -133,6 +133,31 @@ def from_torch(
     Returns:
         The `TASKS[task]` model, in the body's train/eval mode, dtype and device.
     """
+    _check_task(body, task, pooling)
+    if task == "seq2seq-lm":
+        return _seq2seq(body, embed_tokens, target_embed_tokens, positions, head, embedding_scale, config_kwargs)
+    _check_encoder_body(body, target_embed_tokens)
+
+    kwargs, state = _stack_fields(body, embed_tokens, embedding_scale, "encoder")
+    d = kwargs["hidden_size"]
+    tied = head is not None and _output_linear(head).weight is embed_tokens.weight
+    position_kwargs, position_state = _positions(positions, d)
+    kwargs.update(position_kwargs)
+    state.update(position_state)
+
+    kwargs["is_causal"] = task == "causal-lm"
+    kwargs["tie_word_embeddings"] = tied
+    head_kwargs, head_state = _head(head, task, d, kwargs)
+    kwargs.update(head_kwargs)
+    if task == "sequence-classification":
+        kwargs["classifier_pooling"] = pooling
+
+    config = _encoder_config(kwargs, config_kwargs)
+    return _model_with_weights(task, config, body, state, head_state, tied)
+
+
+def _check_task(body: nn.Module, task: str, pooling: str | None) -> None:
+    """A `ValueError` unless `task` is known and goes with the kind of `body` and with `pooling`."""
     if task not in TASKS:
         raise ValueError(f"`task` must be one of {list(TASKS)}, got {task!r}.")
     if isinstance(body, nn.TransformerDecoder):
@@ -150,8 +175,10 @@ def from_torch(
             f"`pooling` ('first', 'mean' or 'last') is required for sequence classification and only there; got "
             f"pooling={pooling!r} with task={task!r}."
         )
-    if task == "seq2seq-lm":
-        return _seq2seq(body, embed_tokens, target_embed_tokens, positions, head, embedding_scale, config_kwargs)
+
+
+def _check_encoder_body(body: nn.Module, target_embed_tokens: nn.Embedding | None) -> None:
+    """A `ValueError` unless `body` is exactly an nn.TransformerEncoder and no target embeddings are given."""
     if target_embed_tokens is not None:
         raise ValueError("`target_embed_tokens` is for task 'seq2seq-lm' (an nn.Transformer's target side).")
     if type(body) is not nn.TransformerEncoder:
@@ -160,34 +187,44 @@ def from_torch(
             "run a forward hf_tfm does not reproduce."
         )
 
-    kwargs = _layers_config(body)
+
+def _stack_fields(
+    stack: nn.TransformerEncoder | nn.TransformerDecoder, tokens: nn.Embedding, embedding_scale: float, side: str
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The TfmConfig fields and the weights (hf_tfm names) of a layer stack, its final norm and its token
+    embeddings; positions and head apart. `side` ("encoder", "decoder") names the stack in errors."""
+    kwargs = _layers_config(stack)
     d = kwargs["hidden_size"]
-    state = _layers_state(body)
-    kwargs["final_norm"] = body.norm is not None
-    if body.norm is not None:
-        state.update(_norm_state(body.norm, "norm", d, kwargs, "the final `norm` of the encoder"))
+    state = _layers_state(stack)
+    kwargs["final_norm"] = stack.norm is not None
+    if stack.norm is not None:
+        state.update(_norm_state(stack.norm, "norm", d, kwargs, f"the final `norm` of the {side}"))
+    kwargs.update(_embedding_config(tokens, d), embedding_scale=embedding_scale)
+    state["embed_tokens.weight"] = tokens.weight.detach()
+    return kwargs, state
 
-    kwargs.update(_embedding_config(embed_tokens, d), embedding_scale=embedding_scale)
-    tied = head is not None and _output_linear(head).weight is embed_tokens.weight
-    state["embed_tokens.weight"] = embed_tokens.weight.detach()
-    position_kwargs, position_state = _positions(positions, d)
-    kwargs.update(position_kwargs)
-    state.update(position_state)
 
-    kwargs["is_causal"] = task == "causal-lm"
-    kwargs["tie_word_embeddings"] = tied
-    head_kwargs, head_state = _head(head, task, d, kwargs)
-    kwargs.update(head_kwargs)
-    if task == "sequence-classification":
-        kwargs["classifier_pooling"] = pooling
-
+def _encoder_config(kwargs: dict, config_kwargs: dict) -> TfmConfig:
+    """The TfmConfig of the fields read from the torch modules plus the caller's `config_kwargs`, which may not
+    override a read field (dropout rates apart)."""
     # The torch modules name no special tokens: none are invented (an eos id of 2 would stop generate() early).
     defaults = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
     clashes = sorted(set(config_kwargs) & set(kwargs) - OVERRIDABLE)
     if clashes:
         raise ValueError(f"{clashes} are read from the torch modules; change the modules instead of overriding them.")
-    config = TfmConfig(**{**defaults, **kwargs, **config_kwargs})
+    return TfmConfig(**{**defaults, **kwargs, **config_kwargs})
 
+
+def _model_with_weights(
+    task: str,
+    config: TfmConfig,
+    body: nn.TransformerEncoder,
+    state: dict[str, torch.Tensor],
+    head_state: dict[str, torch.Tensor],
+    tied: bool,
+) -> TfmPreTrainedModel:
+    """The `TASKS[task]` model of `config` holding the body's weights (`state`, hf_tfm names under the backbone) and
+    the head's, in the body's dtype, device and train/eval mode."""
     parameter = next(body.parameters())
     model = TASKS[task](config).to(parameter.dtype)
     prefix = "" if task == "feature-extraction" else "model."

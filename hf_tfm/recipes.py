@@ -1,9 +1,10 @@
-"""The steps behind `hf-tfm`: staged output folders, causal-LM pretraining, classifier fine-tuning (full or LoRA),
+"""The steps behind `hf-tfm`: the output-folder check, causal-LM pretraining, classifier fine-tuning (full or LoRA),
 fresh-process generation, model cards and loss curves. The CLI strings these together; each is usable on its own.
+`training_job` is the string every training command uses: stage the folder, train, write the card and the metrics.
 
-Every folder is written under a hidden temporary name next to its target and renamed into place only when complete,
-so an interrupted or failed run never leaves a folder that looks like a finished model, and one that was to replace a
-folder leaves that folder as it was.
+Every folder is written under a hidden temporary name next to its target and renamed into place only when complete
+(`hf_tfm.checkpoint.staged_folder`), so an interrupted or failed run never leaves a folder that looks like a finished
+model, and one that was to replace a folder leaves that folder as it was.
 """
 
 import dataclasses
@@ -12,19 +13,16 @@ import logging
 import math
 import os
 import re
-import shutil
-import subprocess
-import sys
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
@@ -41,7 +39,8 @@ from transformers import (
 )
 
 from . import TfmConfig, TfmForCausalLM, TfmForConditionalGeneration, TfmForSequenceClassification, TfmSeq2SeqConfig
-from .modeling import new_staging_folder, replace_folder
+from .checkpoint import staged_folder
+from .programs import run_program
 from .training import FreeCoreThreads
 
 logger = logging.getLogger(__name__)
@@ -70,27 +69,6 @@ def check_output_dir(
         return
     what = "another model" if any((dst / m).exists() for m in MODEL_MARKERS) else "other files"
     raise OutputDirError(f"{dst} already holds {what}; choose another --output-dir or pass --overwrite to replace it")
-
-
-@contextmanager
-def staged_dir(
-    dst: str | os.PathLike, overwrite: bool = False, replaceable: Callable[[Path], bool] | None = None
-) -> Iterator[Path]:
-    """Yield a new hidden folder next to `dst`; on success it replaces `dst` as a whole (what `--overwrite` promises:
-    nothing of the old folder is kept), on any error it is deleted and `dst` is left as it was.
-
-    The same staging and swap as every model save (`hf_tfm.modeling.replace_folder`): a run that fails or is killed
-    while overwriting leaves the old folder whole.
-    """
-    dst = Path(dst).resolve()
-    check_output_dir(dst, overwrite, replaceable)
-    stage = new_staging_folder(dst)
-    try:
-        yield stage
-        replace_folder(stage, dst)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -196,6 +174,73 @@ def loss_history(trainer: Trainer) -> dict[str, list[list[float]]]:
     return history
 
 
+# The attention (self- and cross-) and MLP projections of hf_tfm's blocks: what LoRA adapts.
+_LORA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _with_lora(model: PreTrainedModel, task_type: str, lora_r: int, target_modules: list[str] | str) -> Any:
+    """`model` wrapped with LoRA adapters of rank `lora_r` (alpha 2r, dropout 0.05) on `target_modules`.
+
+    `task_type` names a `peft.TaskType` member ("SEQ_CLS", "SEQ_2_SEQ_LM").
+    """
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    lora_config = LoraConfig(
+        task_type=TaskType[task_type],
+        r=lora_r,
+        lora_alpha=2 * lora_r,
+        lora_dropout=0.05,
+        target_modules=target_modules,
+    )
+    return get_peft_model(model, lora_config)
+
+
+def _run_trainer(
+    model: Any,
+    settings: TrainSettings,
+    train_set: _Examples,
+    test_set: _Examples,
+    data_collator: Callable[[list[dict[str, Any]]], dict[str, Any]],
+    finish: Callable[[Trainer], Any],
+    trainer_class: type[Trainer] = Trainer,
+    args_class: type[TrainingArguments] = TrainingArguments,
+    label_smoothing: float = 0.0,
+) -> tuple[Trainer, Any]:
+    """Train `model` on `train_set` in a scratch folder, then run `finish(trainer)` (the final evaluation) while the
+    scratch folder and the thread settings still hold. Returns the trainer and what `finish` returned.
+
+    `label_smoothing` becomes the arguments' `label_smoothing_factor` (0.0, their default: none).
+    """
+    total = _total_steps(settings, len(train_set))
+    with tempfile.TemporaryDirectory(prefix="hf-tfm-trainer-") as scratch, FreeCoreThreads() as threads:
+        # the test set's loss `settings.evals` times during training, for the held-out curve (nothing is chosen on it)
+        eval_steps = max(1, total // max(settings.evals, 1))
+        args = _training_args(settings, Path(scratch), total, eval_steps, args_class)
+        args.label_smoothing_factor = label_smoothing
+        trainer = trainer_class(
+            model=model,
+            args=args,
+            train_dataset=train_set,
+            eval_dataset=test_set,
+            data_collator=data_collator,
+            callbacks=[threads],
+        )
+        trainer.train()
+        final = finish(trainer)
+    return trainer, final
+
+
+def _history_with_final(
+    trainer: Trainer, final_metrics: dict[str, float], loss_key: str
+) -> dict[str, list[list[float]]]:
+    """`loss_history(trainer)`, ending with the final evaluation's loss (`final_metrics[loss_key]`) unless the last
+    evaluation during training was at the last step."""
+    history = loss_history(trainer)
+    if not history["eval"] or history["eval"][-1][0] != trainer.state.global_step:
+        history["eval"].append([trainer.state.global_step, final_metrics[loss_key]])
+    return history
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Causal LM
 
@@ -265,28 +310,6 @@ def pretrain_causal_lm(
     }
 
 
-# hf_tfm passes trust_remote_code=True itself only for a folder it has just written: here a fresh Python where hf_tfm
-# cannot be imported loads it, to prove the folder stands alone (our own folder, just written: its code is what is
-# being tested). Every other load leaves the choice to the caller, default False.
-GENERATE_CODE = r"""
-import sys; sys.modules["hf_tfm"] = None  # prove the folder stands alone: only its own copied code may be used
-import json
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-folder, prompts, max_new_tokens, seed = json.loads(sys.argv[1])
-# our own folder, just written: its code is what is being tested
-tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
-model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
-outputs = []
-for prompt in prompts:
-    torch.manual_seed(seed)
-    inputs = tokenizer(prompt, return_tensors="pt")
-    ids = model.generate(**inputs, max_new_tokens=max_new_tokens)
-    outputs.append(tokenizer.decode(ids[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
-print(json.dumps({"class": type(model).__module__ + "." + type(model).__name__, "generations": outputs}))
-"""
-
-
 def generate_in_fresh_process(
     folder: str | os.PathLike, prompts: list[str], max_new_tokens: int = 40, seed: int = 0, timeout: float = 300.0
 ) -> dict[str, Any]:
@@ -294,25 +317,14 @@ def generate_in_fresh_process(
     imported, and sample a continuation of each prompt. Returns `{"class": ..., "generations": [...]}`.
 
     It runs the folder's own code (`configuration.py`, `modeling.py`): it is the check that a folder hf_tfm has just
-    written stands alone. Pass only such a folder, never one from elsewhere.
+    written stands alone (`hf_tfm/programs/standalone_generate.py`). Pass only such a folder, never one from elsewhere:
+    hf_tfm passes trust_remote_code=True itself only here; every other load leaves the choice to the caller.
     """
+    args = {"path": str(folder), "prompts": prompts, "max_new_tokens": max_new_tokens, "seed": seed}
     with tempfile.TemporaryDirectory(prefix="hf-tfm-modules-") as modules:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": modules, "TOKENIZERS_PARALLELISM": "false"}
-        result = subprocess.run(
-            [sys.executable, "-c", GENERATE_CODE, json.dumps([str(folder), prompts, max_new_tokens, seed])],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-    lines = result.stdout.strip().splitlines()
-    if result.returncode != 0 or not lines or not lines[-1].startswith("{"):
-        raise RuntimeError(
-            f"reloading {folder} in a fresh process failed (exit {result.returncode}):\n"
-            f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
-        )
-    return json.loads(lines[-1])
+        env = {"HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": modules, "TOKENIZERS_PARALLELISM": "false"}
+        where = "reloading in a fresh process without hf_tfm"
+        return run_program("standalone_generate", args, where, blocked=("hf_tfm",), env=env, timeout=timeout)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -344,6 +356,60 @@ def _save_adapter(peft_model: Any, folder: Path, base: str | None, auto_class: s
         )
 
 
+def _classifier_model(
+    model: PreTrainedModel | TfmConfig | str | os.PathLike,
+    tokenizer: PreTrainedTokenizerBase,
+    label_names: list[str],
+    config_overrides: dict[str, Any] | None,
+    trust_remote_code: bool,
+) -> PreTrainedModel:
+    """The classifier to train, labelled with `label_names`: a new one from a config, the model given, or a
+    checkpoint loaded (a causal-LM one gets a fresh `score` head); its `pad_token_id` the tokenizer's when unset."""
+    label_kwargs = {
+        "num_labels": len(label_names),
+        "id2label": dict(enumerate(label_names)),
+        "label2id": {name: i for i, name in enumerate(label_names)},
+    }
+    if isinstance(model, TfmConfig):
+        for key, value in label_kwargs.items():
+            setattr(model, key, value)
+        model = TfmForSequenceClassification(model)
+    elif not isinstance(model, PreTrainedModel):
+        model = AutoModelForSequenceClassification.from_pretrained(
+            model, trust_remote_code=trust_remote_code, **label_kwargs, **(config_overrides or {})
+        )
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def _classification_examples(
+    tokenizer: PreTrainedTokenizerBase, texts: list[str], labels: list[int], seq_len: int
+) -> _Examples:
+    """The texts tokenised (cut to `seq_len` tokens) with their labels, unpadded (the collator pads)."""
+    enc = tokenizer(texts, truncation=True, max_length=seq_len)
+    return _Examples(
+        [
+            {"input_ids": ids, "attention_mask": mask, "labels": label}
+            for ids, mask, label in zip(enc["input_ids"], enc["attention_mask"], labels, strict=True)
+        ]
+    )
+
+
+def _lora_targets(model: PreTrainedModel) -> list[str] | str:
+    """The `_LORA_PROJECTIONS` the model's linear layers are named after, or "all-linear" when it has none."""
+    names = set(_LORA_PROJECTIONS)
+    present = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    return [n for n in present if n in names] or "all-linear"
+
+
+def _accuracy(logits: Any, labels: list[int]) -> float:
+    """The share of examples whose highest logit is their label (`logits` may come as the first of a tuple)."""
+    logits = logits[0] if isinstance(logits, tuple) else logits
+    predicted = logits.argmax(-1).tolist()
+    return sum(p == t for p, t in zip(predicted, labels, strict=True)) / max(len(labels), 1)
+
+
 def finetune_classifier(
     model: PreTrainedModel | TfmConfig | str | os.PathLike,
     tokenizer: PreTrainedTokenizerBase,
@@ -369,67 +435,23 @@ def finetune_classifier(
     """
     out_dir = Path(out_dir)
     adapter_base = adapter_base or _model_name(model)
-    num_labels = len(label_names)
-    label_kwargs = {
-        "num_labels": num_labels,
-        "id2label": dict(enumerate(label_names)),
-        "label2id": {name: i for i, name in enumerate(label_names)},
-    }
     torch.manual_seed(settings.seed)
-    if isinstance(model, TfmConfig):
-        for key, value in label_kwargs.items():
-            setattr(model, key, value)
-        model = TfmForSequenceClassification(model)
-    elif not isinstance(model, PreTrainedModel):
-        model = AutoModelForSequenceClassification.from_pretrained(
-            model, trust_remote_code=trust_remote_code, **label_kwargs, **(config_overrides or {})
-        )
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = tokenizer.pad_token_id
-
-    def encode(texts: list[str], labels: list[int]) -> _Examples:
-        enc = tokenizer(texts, truncation=True, max_length=settings.seq_len)
-        return _Examples(
-            [
-                {"input_ids": ids, "attention_mask": mask, "labels": label}
-                for ids, mask, label in zip(enc["input_ids"], enc["attention_mask"], labels, strict=True)
-            ]
-        )
-
-    train_set, test_set = encode(*train), encode(*test)
-    trainable = model
-    if lora:
-        from peft import LoraConfig, TaskType, get_peft_model
-
-        names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-        present = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        targets = [n for n in present if n in names] or "all-linear"
-        lora_config = LoraConfig(
-            task_type=TaskType.SEQ_CLS, r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.05, target_modules=targets
-        )
-        trainable = get_peft_model(model, lora_config)
+    model = _classifier_model(model, tokenizer, label_names, config_overrides, trust_remote_code)
+    train_set = _classification_examples(tokenizer, *train, settings.seq_len)
+    test_set = _classification_examples(tokenizer, *test, settings.seq_len)
+    trainable = _with_lora(model, "SEQ_CLS", lora_r, _lora_targets(model)) if lora else model
     trainable_params, all_params = (
         sum(p.numel() for p in trainable.parameters() if p.requires_grad),
         sum(p.numel() for p in trainable.parameters()),
     )
     logger.info("classifier: %d of %d parameters trainable (lora=%s)", trainable_params, all_params, lora)
-    total = _total_steps(settings, len(train_set))
-    with tempfile.TemporaryDirectory(prefix="hf-tfm-trainer-") as scratch, FreeCoreThreads() as threads:
-        trainer = Trainer(
-            model=trainable,
-            args=_training_args(settings, Path(scratch), total, None),
-            train_dataset=train_set,
-            data_collator=DataCollatorWithPadding(tokenizer),
-            callbacks=[threads],
-        )
-        trainer.train()
-        prediction = trainer.predict(test_set)
-    predicted = prediction.predictions
-    predicted = predicted[0] if isinstance(predicted, tuple) else predicted
-    predicted = predicted.argmax(-1).tolist()
-    accuracy = sum(p == t for p, t in zip(predicted, test[1], strict=True)) / max(len(test[1]), 1)
+    trainer, prediction = _run_trainer(
+        trainable, settings, train_set, test_set, DataCollatorWithPadding(tokenizer), lambda t: t.predict(test_set)
+    )
+    history = _history_with_final(trainer, prediction.metrics, "test_loss")
+    accuracy = _accuracy(prediction.predictions, test[1])
     if lora:
-        kwargs = {"num_labels": num_labels, **(config_overrides or {})}
+        kwargs = {"num_labels": len(label_names), **(config_overrides or {})}
         _save_adapter(trainable, out_dir / "adapter", adapter_base, "AutoModelForSequenceClassification", kwargs)
         model = trainable.merge_and_unload()
     model.config.use_cache = True
@@ -444,7 +466,7 @@ def finetune_classifier(
         "trainable_parameters": trainable_params,
         "parameters": model.num_parameters(),  # after merging LoRA, as saved
         "lora": lora,
-        "history": loss_history(trainer),
+        "history": history,
     }
 
 
@@ -501,13 +523,16 @@ def generate_texts(
 
 
 def seq2seq_from_causal_lm(
-    model: PreTrainedModel | str | os.PathLike, trust_remote_code: bool = False
+    model: PreTrainedModel | str | os.PathLike,
+    trust_remote_code: bool = False,
+    overrides: dict[str, Any] | None = None,
 ) -> TfmForConditionalGeneration:
     """An encoder-decoder warm-started from an hf_tfm causal LM (Rothe et al., arXiv:1907.12461): both sides get the
     LM's blocks and embeddings (the encoder with bidirectional attention), the LM head stays the head, and only the
     decoder's cross-attention (and its norms) start untrained. The two sides share one token table.
 
     `trust_remote_code`: run code a checkpoint path or Hub id ships (transformers' flag; hf_tfm's own load without).
+    `overrides`: knobs that change nothing in the weights, set on both sides (`hidden_dropout`, `attention_dropout`).
     """
     if not isinstance(model, PreTrainedModel):
         model = AutoModelForCausalLM.from_pretrained(model, trust_remote_code=trust_remote_code)
@@ -518,6 +543,7 @@ def seq2seq_from_causal_lm(
     knobs = {f.name: getattr(config, f.name) for f in dataclasses.fields(TfmConfig) if f.name in TfmConfig.__dict__}
     for derived in ("is_causal", "add_cross_attention", "classifier_pooling"):
         knobs.pop(derived)
+    knobs.update(overrides or {})
     seq2seq_config = TfmSeq2SeqConfig(
         encoder={**knobs, "is_causal": False}, decoder=knobs, tie_word_embeddings=config.tie_word_embeddings
     )
@@ -532,6 +558,78 @@ def seq2seq_from_causal_lm(
     return seq2seq.to(model.dtype)
 
 
+class _Seq2SeqTrainer(Seq2SeqTrainer):
+    """`Seq2SeqTrainer` whose evaluation loss is plain cross-entropy also when training smooths its labels, so a
+    held-out loss compares with other runs and baselines."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if model.training or self.label_smoother is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        smoother, self.label_smoother = self.label_smoother, None
+        try:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            self.label_smoother = smoother
+
+
+def _seq2seq_model(
+    model: PreTrainedModel | TfmSeq2SeqConfig | str | os.PathLike, trust_remote_code: bool
+) -> PreTrainedModel:
+    """The encoder-decoder to train: a new `TfmForConditionalGeneration` from a config, the model given, or a
+    checkpoint loaded; a `ValueError` when it is not an encoder-decoder."""
+    if isinstance(model, TfmSeq2SeqConfig):
+        model = TfmForConditionalGeneration(model)
+    elif not isinstance(model, PreTrainedModel):
+        model = AutoModelForSeq2SeqLM.from_pretrained(model, trust_remote_code=trust_remote_code)
+    if not model.config.is_encoder_decoder:
+        raise ValueError(f"{type(model).__name__} is not an encoder-decoder model: seq2seq training needs one")
+    return model
+
+
+def _seq2seq_examples(
+    tokenizer: PreTrainedTokenizerBase, sources: list[str], targets: list[str], seq_len: int, max_target_len: int
+) -> _Examples:
+    """Sources tokenised and cut to `seq_len` tokens; their labels the targets cut to `max_target_len` with `</s>`."""
+    enc = tokenizer(sources, truncation=True, max_length=seq_len)
+    labels = tokenizer(targets, add_special_tokens=False, truncation=True, max_length=max_target_len - 1)
+    return _Examples(
+        [
+            {"input_ids": ids, "attention_mask": mask, "labels": [*target, tokenizer.eos_token_id]}
+            for ids, mask, target in zip(enc["input_ids"], enc["attention_mask"], labels["input_ids"], strict=True)
+        ]
+    )
+
+
+def _greedy_generation_config(
+    tokenizer: PreTrainedTokenizerBase, max_new_tokens: int, decoder_start_token_id: int | None
+) -> GenerationConfig:
+    """The generation defaults a trained seq2seq model is saved with: greedy, the tokenizer's special tokens."""
+    return GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=decoder_start_token_id,
+    )
+
+
+def _generation_scores(predictions: list[str], test: tuple[list[str], list[str]], majority: str) -> dict[str, Any]:
+    """Exact match and word F1 of the predictions, the same for always answering `majority` (the baseline), and the
+    first 8 examples (sources cut to 200 characters)."""
+    scores, baseline = score_texts(predictions, test[1]), score_texts([majority] * len(test[1]), test[1])
+    return {
+        **scores,
+        "baseline_target": majority,
+        "baseline_exact_match": baseline["exact_match"],
+        "baseline_word_f1": baseline["word_f1"],
+        "examples": [
+            {"source": source[:200], "target": target, "prediction": prediction}
+            for source, target, prediction in list(zip(*test, predictions, strict=True))[:8]
+        ],
+    }
+
+
 def train_seq2seq(
     model: PreTrainedModel | TfmSeq2SeqConfig | str | os.PathLike,
     tokenizer: PreTrainedTokenizerBase,
@@ -544,6 +642,7 @@ def train_seq2seq(
     max_target_len: int = 32,
     adapter_base: str | None = None,
     trust_remote_code: bool = False,
+    label_smoothing: float = 0.0,
 ) -> dict[str, Any]:
     """Train a sequence-to-sequence model on (source, target) pairs with `Seq2SeqTrainer` and save it.
 
@@ -552,88 +651,44 @@ def train_seq2seq(
     inputs are the targets shifted right behind `decoder_start_token_id`, built by `DataCollatorForSeq2Seq`. With
     LoRA (self- and cross-attention and MLP projections) the folder holds the merged model and `adapter/` the
     adapter alone. `trust_remote_code`: run code a checkpoint `model` ships (transformers' flag; hf_tfm's own
-    checkpoints load without it). Returns the held-out loss, the held-out greedy generations' exact match and word F1
-    next to the majority-target baseline, a few examples, the loss history and sizes.
+    checkpoints load without it). `label_smoothing`: of the training loss (`label_smoothing_factor`); the held-out
+    loss stays plain cross-entropy. Returns the held-out loss, the held-out greedy generations' exact match and word
+    F1 next to the majority-target baseline, a few examples, the loss history and sizes.
     """
     out_dir = Path(out_dir)
     adapter_base = adapter_base or _model_name(model)
     torch.manual_seed(settings.seed)
-    if isinstance(model, TfmSeq2SeqConfig):
-        model = TfmForConditionalGeneration(model)
-    elif not isinstance(model, PreTrainedModel):
-        model = AutoModelForSeq2SeqLM.from_pretrained(model, trust_remote_code=trust_remote_code)
-    if not model.config.is_encoder_decoder:
-        raise ValueError(f"{type(model).__name__} is not an encoder-decoder model: seq2seq training needs one")
-
-    def encode(sources: list[str], targets: list[str]) -> _Examples:
-        enc = tokenizer(sources, truncation=True, max_length=settings.seq_len)
-        labels = tokenizer(targets, add_special_tokens=False, truncation=True, max_length=max_target_len - 1)
-        return _Examples(
-            [
-                {"input_ids": ids, "attention_mask": mask, "labels": [*target, tokenizer.eos_token_id]}
-                for ids, mask, target in zip(enc["input_ids"], enc["attention_mask"], labels["input_ids"], strict=True)
-            ]
-        )
-
-    train_set, test_set = encode(*train), encode(*test)
-    trainable = model
-    if lora:
-        from peft import LoraConfig, TaskType, get_peft_model
-
-        trainable = get_peft_model(
-            model,
-            LoraConfig(
-                task_type=TaskType.SEQ_2_SEQ_LM,
-                r=lora_r,
-                lora_alpha=2 * lora_r,
-                lora_dropout=0.05,
-                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-            ),
-        )
+    model = _seq2seq_model(model, trust_remote_code)
+    train_set = _seq2seq_examples(tokenizer, *train, settings.seq_len, max_target_len)
+    test_set = _seq2seq_examples(tokenizer, *test, settings.seq_len, max_target_len)
+    trainable = _with_lora(model, "SEQ_2_SEQ_LM", lora_r, list(_LORA_PROJECTIONS)) if lora else model
     trainable_params = sum(p.numel() for p in trainable.parameters() if p.requires_grad)
-    total = _total_steps(settings, len(train_set))
-    with tempfile.TemporaryDirectory(prefix="hf-tfm-trainer-") as scratch, FreeCoreThreads() as threads:
-        eval_steps = max(1, total // max(settings.evals, 1))
-        trainer = Seq2SeqTrainer(
-            model=trainable,
-            args=_training_args(settings, Path(scratch), total, eval_steps, Seq2SeqTrainingArguments),
-            train_dataset=train_set,
-            eval_dataset=test_set,
-            data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
-            callbacks=[threads],
-        )
-        trainer.train()
-        final = trainer.evaluate()
-    history = loss_history(trainer)
-    if not history["eval"] or history["eval"][-1][0] != trainer.state.global_step:
-        history["eval"].append([trainer.state.global_step, final["eval_loss"]])
+    collator = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
+    trainer, final = _run_trainer(
+        trainable,
+        settings,
+        train_set,
+        test_set,
+        collator,
+        lambda t: t.evaluate(),
+        trainer_class=_Seq2SeqTrainer,
+        args_class=Seq2SeqTrainingArguments,
+        label_smoothing=label_smoothing,
+    )
+    history = _history_with_final(trainer, final, "eval_loss")
     if lora:
         _save_adapter(trainable, out_dir / "adapter", adapter_base, "AutoModelForSeq2SeqLM", {})
         model = trainable.merge_and_unload()
     model.config.use_cache = True  # Trainer turned it off for training; generation wants it back
     predictions = generate_texts(model, tokenizer, test[0], settings.seq_len, max_target_len)
     majority = Counter(train[1]).most_common(1)[0][0]
-    model.generation_config = GenerationConfig(
-        do_sample=False,
-        max_new_tokens=max_target_len,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        decoder_start_token_id=model.config.decoder_start_token_id,
-    )
+    model.generation_config = _greedy_generation_config(tokenizer, max_target_len, model.config.decoder_start_token_id)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    scores, baseline = score_texts(predictions, test[1]), score_texts([majority] * len(test[1]), test[1])
+    scores = _generation_scores(predictions, test, majority)
     return {
         "eval_loss": final["eval_loss"],
         **scores,
-        "baseline_target": majority,
-        "baseline_exact_match": baseline["exact_match"],
-        "baseline_word_f1": baseline["word_f1"],
-        "examples": [
-            {"source": source[:200], "target": target, "prediction": prediction}
-            for source, target, prediction in list(zip(*test, predictions, strict=True))[:8]
-        ],
         "train_examples": len(train_set),
         "test_examples": len(test_set),
         "steps": trainer.state.global_step,
@@ -648,8 +703,13 @@ def train_seq2seq(
 # Reports
 
 
-def plot_loss_curves(panels: dict[str, dict[str, list[list[float]]]], path: str | os.PathLike) -> Path:
-    """One panel per run, train loss (and held-out loss where present) against step, written as a PNG."""
+def plot_loss_curves(
+    panels: dict[str, dict[str, list[list[float]]]],
+    path: str | os.PathLike,
+    baselines: dict[str, tuple[float, str]] | None = None,
+) -> Path:
+    """One panel per run: train loss and held-out loss against step, and the run's baseline (`baselines[title]`: a
+    loss and what it is, e.g. a unigram model's) as a dotted line, written as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -657,13 +717,17 @@ def plot_loss_curves(panels: dict[str, dict[str, list[list[float]]]], path: str 
 
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
     for ax, (title, history) in zip(axes[0], panels.items(), strict=True):
-        for kind, style in (("train", "-"), ("eval", "o--")):
+        for kind, style, label in (("train", "-", "train loss"), ("eval", "o--", "held-out loss")):
             points = history.get(kind) or []
             if points:
-                ax.plot([p[0] for p in points], [p[1] for p in points], style, label=f"{kind} loss")
+                ax.plot([p[0] for p in points], [p[1] for p in points], style, label=label)
+        if baselines and title in baselines:
+            loss, what = baselines[title]
+            ax.axhline(loss, color="0.4", linestyle=":", label=f"{what} ({loss:.2f})")
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy loss")
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -794,6 +858,33 @@ def _fmt(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# A training job: what every `hf-tfm` training command does with its output folder
+
+
+def training_job(
+    output_dir: str | os.PathLike,
+    train: Callable[[Path], dict[str, Any]],
+    card: Callable[[dict[str, Any]], dict[str, Any]],
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Train one model into `output_dir`, all or nothing: stage the folder, train, write the model card and metrics.
+
+    `train(folder)` trains, saves the model into the staged `folder` and returns its metrics (with `parameters`);
+    `card(metrics)` gives the model card's text, `write_model_card`'s arguments but `config` (read back from the
+    saved folder) and `parameters`. The metrics also go to `metrics.json`. The folder replaces `output_dir` only once
+    all of it is written (`staged_folder`); an `output_dir` that holds files is refused without `overwrite`
+    (`check_output_dir`). Returns the metrics.
+    """
+    check_output_dir(output_dir, overwrite)
+    with staged_folder(output_dir) as folder:
+        metrics = train(folder)
+        config = AutoConfig.from_pretrained(folder)  # hf_tfm's registered classes: no code of the folder runs
+        write_model_card(folder, config=config, parameters=metrics["parameters"], **card(metrics))
+        (folder / "metrics.json").write_text(json.dumps(metrics, indent=2), encoding="utf-8")
+    return metrics
+
+
 def load_causal_lm(path: str | os.PathLike, trust_remote_code: bool = False, **kwargs: Any) -> PreTrainedModel:
     """`AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)` (`dtype`, a
     quantization config: `hf_tfm.quantization.quantization_kwargs`).
@@ -817,8 +908,8 @@ __all__ = [
     "pretrain_causal_lm",
     "score_texts",
     "seq2seq_from_causal_lm",
-    "staged_dir",
     "train_seq2seq",
+    "training_job",
     "word_f1",
     "write_model_card",
 ]

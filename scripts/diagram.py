@@ -24,7 +24,7 @@ from matplotlib.patches import Circle, FancyArrowPatch, FancyBboxPatch, Patch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from hf_tfm.configuration import TfmConfig, TfmSeq2SeqConfig
+from hf_tfm.configuration import EXPERT_KNOBS, TfmConfig, TfmSeq2SeqConfig
 
 FAMILIES = {  # family: (colour, legend label)
     "sizes": ("#4b5563", "sizes"),
@@ -42,6 +42,7 @@ MAIN_X, BOX_W = 4.0, 2.5  # centre and width of the main column
 RES_X = MAIN_X + BOX_W / 2 + 0.25  # residual connections run down here, between the boxes and their knobs
 KNOB_X = RES_X + 0.25  # knob labels start here
 ROW_H = 0.29  # one row of knob labels
+GAP = 0.32  # the arrow between stages
 MONO, SANS = {"family": "monospace", "fontsize": 9}, {"family": "sans-serif", "fontsize": 10.5}
 
 
@@ -133,7 +134,24 @@ class Drawing:
 def draw() -> tuple[Figure, set[str]]:
     """The figure and the knob names it labels."""
     d = Drawing()
-    gap = 0.32  # arrow between stages
+    title_and_legend(d)
+    emb_top, y = embeddings(d, -1.55)
+    block_top, y_plus = self_attention(d, y)
+    y_plus = cross_attention(d, y_plus)
+    ffn_top, y_plus = feed_forward(d, y_plus)
+    block_bottom = y_plus - 0.3
+    block_frame(d, block_top, block_bottom)
+    parallel(d, 0.6, ffn_top - 0.1)  # the parallel_residual form, inside the frame beside the block
+    y = final_norm(d, y_plus, block_bottom)
+    bottom = heads(d, y, emb_top)
+    d.fig.set_size_inches(WIDTH, -bottom)
+    d.ax.set_xlim(0, WIDTH)
+    d.ax.set_ylim(bottom, 0)
+    return d.fig, d.knobs
+
+
+def title_and_legend(d: Drawing) -> None:
+    """The title, and under it the legend of the knob families' colours."""
     title = "hf_tfm: the transformer block, and where each TfmConfig knob acts"
     d.text(WIDTH / 2, -0.4, title, ha="center", va="center", fontsize=14, fontweight="bold")
     handles = [Patch(facecolor=tint(c, 0.14), edgecolor=c, label=label) for c, label in FAMILIES.values()]
@@ -146,12 +164,14 @@ def draw() -> tuple[Figure, set[str]]:
         frameon=False,
         fontsize=9.5,
     )
-    y = -1.55
 
-    # embeddings
+
+def embeddings(d: Drawing, y: float) -> tuple[float, float]:
+    """The inputs at `y`, the token embeddings, the positions and the optional embedding norm under them. Returns
+    the top of the token embeddings' box (where the tied LM heads' line starts) and the bottom of the last box."""
     d.text(MAIN_X, y, "input_ids  (+ token_type_ids)", ha="center", va="center", family="monospace", fontsize=9.5)
-    d.arrow((MAIN_X, y - 0.15), (MAIN_X, y - gap - 0.05))
-    y -= gap + 0.05
+    d.arrow((MAIN_X, y - 0.15), (MAIN_X, y - GAP - 0.05))
+    y -= GAP + 0.05
     emb_top = y
     y = d.stage(
         y,
@@ -165,9 +185,9 @@ def draw() -> tuple[Figure, set[str]]:
         ],
         sub="\N{MULTIPLICATION SIGN} scale, + segments",
     )
-    d.arrow((MAIN_X, y), (MAIN_X, y - gap))
+    d.arrow((MAIN_X, y), (MAIN_X, y - GAP))
     y = d.stage(
-        y - gap,
+        y - GAP,
         1.05,
         "+ positions",
         "embed",
@@ -179,14 +199,18 @@ def draw() -> tuple[Figure, set[str]]:
         ],
         sub="sinusoidal or learned",
     )
-    d.arrow((MAIN_X, y), (MAIN_X, y - gap))
+    d.arrow((MAIN_X, y), (MAIN_X, y - GAP))
     y = d.stage(
-        y - gap, 0.55, "embedding norm", "norm", [("norm", ["embedding_norm (BERT, ModernBERT)"])], dashed=True
+        y - GAP, 0.55, "embedding norm", "norm", [("norm", ["embedding_norm (BERT, ModernBERT)"])], dashed=True
     )
+    return emb_top, y
 
-    # the block
-    d.arrow((MAIN_X, y), (MAIN_X, y - gap - 0.25))
-    y -= gap + 0.25
+
+def self_attention(d: Drawing, y: float) -> tuple[float, float]:
+    """The block's first sub-layer under `y`: norm, self-attention and their residual connection. Returns the top of
+    the block's frame and the y of the residual's +."""
+    d.arrow((MAIN_X, y), (MAIN_X, y - GAP - 0.25))
+    y -= GAP + 0.25
     block_top = y + 0.12
     y -= 0.2
     attn_in = y
@@ -202,8 +226,8 @@ def draw() -> tuple[Figure, set[str]]:
         ],
     )
     d.line([MAIN_X, MAIN_X], [attn_in, attn_in - 0.2])
-    d.arrow((MAIN_X, y), (MAIN_X, y - gap))
-    attn_top = y - gap
+    d.arrow((MAIN_X, y), (MAIN_X, y - GAP))
+    attn_top = y - GAP
     y = d.stage(
         attn_top,
         2.3,
@@ -221,16 +245,20 @@ def draw() -> tuple[Figure, set[str]]:
         ],
         sub="q, k, v -> scores -> o",
     )
-    y_plus = y - gap
+    y_plus = y - GAP
     d.arrow((MAIN_X, y), (MAIN_X, y_plus + 0.13))
     d.residual(attn_in, y_plus)
     d.knob_rows(KNOB_X, y_plus, [("resid", ["hidden_dropout (on each branch)"])])
+    return block_top, y_plus
 
-    # cross-attention, a seq2seq decoder's
+
+def cross_attention(d: Drawing, y_plus: float) -> float:
+    """A seq2seq decoder's cross-attention sub-layer (dashed: optional) after the + at `y_plus`, the encoder output
+    coming in from the left, and its residual connection. Returns the y of its +."""
     y = y_plus - 0.13
     cross_in = y - 0.22
     d.line([MAIN_X, MAIN_X], [y, cross_in])
-    cross_top = cross_in - gap
+    cross_top = cross_in - GAP
     d.arrow((MAIN_X, cross_in), (MAIN_X, cross_top))
     y = d.stage(
         cross_top,
@@ -247,17 +275,21 @@ def draw() -> tuple[Figure, set[str]]:
     enc_y = cross_top - 0.4
     d.text(0.7, enc_y + 0.2, "encoder output", fontsize=9.5, va="center")
     d.arrow((0.7, enc_y), (MAIN_X - BOX_W / 2, enc_y), dashed=True)
-    y_plus = y - gap
+    y_plus = y - GAP
     d.arrow((MAIN_X, y), (MAIN_X, y_plus + 0.13))
     d.residual(cross_in, y_plus)
+    return y_plus
 
-    # feed-forward or experts
+
+def feed_forward(d: Drawing, y_plus: float) -> tuple[float, float]:
+    """The feed-forward sub-layer after the + at `y_plus`: norm, then an MLP | GLU or the experts side by side, and
+    its residual connection. Returns the top of the two boxes and the y of its +."""
     y = y_plus - 0.13
     ffn_in = y - 0.22
     d.line([MAIN_X, MAIN_X], [y, ffn_in])
-    d.arrow((MAIN_X, ffn_in), (MAIN_X, ffn_in - gap))
-    y = d.stage(ffn_in - gap, 0.55, "norm", "norm", [("norm", ["norm_type", "norm_position (as above)"])])
-    ffn_top = y - gap
+    d.arrow((MAIN_X, ffn_in), (MAIN_X, ffn_in - GAP))
+    y = d.stage(ffn_in - GAP, 0.55, "norm", "norm", [("norm", ["norm_type", "norm_position (as above)"])])
+    ffn_top = y - GAP
     half = (BOX_W - 0.2) / 2
     d.arrow((MAIN_X, y), (MAIN_X - BOX_W / 4 - 0.05, ffn_top))
     d.arrow((MAIN_X, y), (MAIN_X + BOX_W / 4 + 0.05, ffn_top))
@@ -280,13 +312,15 @@ def draw() -> tuple[Figure, set[str]]:
         ],
     )
     y = ffn_top - ffn_h
-    y_plus = y - gap
+    y_plus = y - GAP
     d.arrow((MAIN_X - BOX_W / 4 - 0.05, y), (MAIN_X - 0.1, y_plus + 0.1))
     d.arrow((MAIN_X + BOX_W / 4 + 0.05, y), (MAIN_X + 0.1, y_plus + 0.1))
     d.residual(ffn_in, y_plus)
-    block_bottom = y_plus - 0.3
+    return ffn_top, y_plus
 
-    # the block's frame, its repeat count, and the parallel form
+
+def block_frame(d: Drawing, block_top: float, block_bottom: float) -> None:
+    """The frame around the repeated block, and its repeat count."""
     frame = FancyBboxPatch(
         (0.35, block_bottom),
         WIDTH - 0.7,
@@ -300,17 +334,13 @@ def draw() -> tuple[Figure, set[str]]:
     d.ax.add_patch(frame)
     d.pill(0.5, block_top - 0.25, "\N{MULTIPLICATION SIGN} num_hidden_layers", "sizes", va="center", fontsize=9.5)
     d.knobs.add("num_hidden_layers")
-    parallel(d, 0.6, ffn_top - 0.1)
 
-    # final norm and heads
-    d.arrow((MAIN_X, y_plus - 0.13), (MAIN_X, block_bottom - gap))
+
+def final_norm(d: Drawing, y_plus: float, block_bottom: float) -> float:
+    """The final norm under the block, from the block's last + at `y_plus`; returns its bottom."""
+    d.arrow((MAIN_X, y_plus - 0.13), (MAIN_X, block_bottom - GAP))
     rows = [("norm", ["final_norm (default: pre-norm only)"]), ("heads", ["add_pooling_layer (TfmModel's pooler)"])]
-    y = d.stage(block_bottom - gap, 0.6, "final norm", "norm", rows)
-    bottom = heads(d, y, emb_top)
-    d.fig.set_size_inches(WIDTH, -bottom)
-    d.ax.set_xlim(0, WIDTH)
-    d.ax.set_ylim(bottom, 0)
-    return d.fig, d.knobs
+    return d.stage(block_bottom - GAP, 0.6, "final norm", "norm", rows)
 
 
 def parallel(d: Drawing, x: float, y: float) -> None:
@@ -412,6 +442,7 @@ def heads(d: Drawing, y: float, emb_top: float) -> float:
 def check_knobs(knobs: set[str]) -> None:
     """Every label names a real knob."""
     real = {f.name for f in dataclasses.fields(TfmConfig)} | {f.name for f in dataclasses.fields(TfmSeq2SeqConfig)}
+    real |= set(EXPERT_KNOBS)  # set on a config with experts only
     if unknown := sorted(knobs - real):
         raise SystemExit(f"labels name knobs TfmConfig does not have: {unknown}")
 

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from test_training import EXPECTED_AUTO_MAP
 
 from hf_tfm import TfmConfig, TfmForCausalLM, TfmForMaskedLM
-from hf_tfm.modeling import TRAINER_TAKES_SHARDED_MODELS
+from hf_tfm.distributed import TRAINER_TAKES_SHARDED_MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST = ROOT / "tests" / "dist"
@@ -43,7 +43,8 @@ def torchrun(script: str, *args: str) -> list[str]:
 
 
 def assert_loadable_folder(folder: Path) -> None:
-    assert (folder / "configuration.py").is_file() and (folder / "modeling.py").is_file()
+    for code in ("configuration.py", "modeling.py", "checkpoint.py", "distributed.py"):
+        assert (folder / code).is_file(), code
     assert not list(folder.glob("_fsdp*.py"))
     assert json.loads((folder / "config.json").read_text())["auto_map"] == EXPECTED_AUTO_MAP
 

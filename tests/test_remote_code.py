@@ -21,7 +21,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 import hf_tfm
 from hf_tfm import TfmForCausalLM, load_for_inference
 from hf_tfm.calibration import calibrate
-from hf_tfm.cli import SERVE_NAMES_ENV, main
+from hf_tfm.cli import main
+from hf_tfm.commands.serve import SERVE_NAMES_ENV
 from hf_tfm.recipes import (
     TrainSettings,
     finetune_classifier,
@@ -242,7 +243,7 @@ def served(monkeypatch) -> list[list[str]]:
 
     monkeypatch.setattr("os.execv", execv)
     monkeypatch.setattr(transformers_cli, "main", lambda: started.append(list(sys.argv)) or 0)
-    monkeypatch.setattr("hf_tfm.cli._name_classes_in_transformers", lambda: None)
+    monkeypatch.setattr("hf_tfm.commands.serve._name_classes_in_transformers", lambda: None)
     monkeypatch.setenv(SERVE_NAMES_ENV, "0")  # restored after the test: serve sets it for its own processes
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     return started

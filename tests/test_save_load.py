@@ -31,7 +31,7 @@ from hf_tfm import (
     TfmForSequenceClassification,
     TfmForTokenClassification,
     TfmModel,
-    modeling,
+    checkpoint,
 )
 from hf_tfm.modeling import AUTO_MAP
 
@@ -166,7 +166,9 @@ def test_config_json_lists_every_head(tmp_path):
         "AutoModelForQuestionAnswering",
     }
     assert saved["model_type"] == "hf_tfm"
-    assert {p.name for p in tmp_path.iterdir()} >= {"configuration.py", "modeling.py", "config.json"}
+    # the code of a remote-code load: modeling.py and every module it imports relatively
+    code = {"configuration.py", "modeling.py", "checkpoint.py", "distributed.py"}
+    assert {p.name for p in tmp_path.iterdir()} >= code | {"config.json"}
     assert type(AutoConfig.from_pretrained(tmp_path)).__name__ == "TfmConfig"
 
 
@@ -335,7 +337,7 @@ def test_a_folder_that_cannot_be_swapped_is_saved_in_place(checkpoints, monkeypa
     old.save_pretrained(folder)
     is_mount = os.path.ismount
     monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == folder.resolve() or is_mount(path))
-    with CaptureLogger(modeling.logger) as captured:
+    with CaptureLogger(checkpoint.logger) as captured:
         new.save_pretrained(folder)
     assert "in place, not all at once" in captured.out and "mount point" in captured.out
     assert_loads_as(folder, new)
@@ -374,6 +376,8 @@ def test_push_to_hub_from_an_overwritten_folder(checkpoints, tmp_path):
         "model.safetensors",
         "modeling.py",
         "configuration.py",
+        "checkpoint.py",
+        "distributed.py",
         "README.md",
     }
     assert pushed["model.safetensors"] == (folder / "model.safetensors").read_bytes()

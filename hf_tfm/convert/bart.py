@@ -7,18 +7,11 @@ buffer of shape (1, vocab)) is the LM head's bias. The layer names here are fair
 
 import math
 
-from transformers import (
-    BartConfig,
-    BartForConditionalGeneration,
-    BartModel,
-    MBartConfig,
-    MBartForConditionalGeneration,
-    MBartModel,
-)
 from transformers.utils import logging
 
+from ..checks import need, need_all, need_default_head_dim, need_full_attention, need_no_gqa
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
-from .core import Family, Rule, common_blockers, need, register, same_on_both_sides, side_blockers
+from .core import Family, Rule, common_blockers, in_tree_classes, register, same_on_both_sides, side_blockers
 
 logger = logging.get_logger(__name__)
 
@@ -46,6 +39,16 @@ SHARED_ALIASES = {
     "shared.weight": "encoder.embed_tokens.weight",
 }
 NORM_EPS = 1e-5  # BART, mBART and Marian build nn.LayerNorm with its default eps
+# The fairseq block's fixed knobs on both sides: an import sets them, an export needs them (checked in this order)
+FAIRSEQ_BLOCK = {
+    "norm_type": "layernorm",
+    "norm_bias": True,
+    "norm_eps": NORM_EPS,
+    "ffn_type": "mlp",
+    "mlp_bias": True,
+    "attention_bias": True,
+    "attention_out_bias": True,
+}
 # Fields the in-tree configs hold once for both sides.
 ONE_FIELD_KNOBS = ("vocab_size", "max_position_embeddings", "hidden_act", "hidden_dropout", "attention_dropout")
 
@@ -79,14 +82,8 @@ def sides_from_hf(c, common: dict) -> dict:
         "hidden_size": c.d_model,
         "max_position_embeddings": c.max_position_embeddings,
         "embedding_scale": math.sqrt(c.d_model) if c.scale_embedding else 1.0,
-        "norm_type": "layernorm",
-        "norm_eps": NORM_EPS,
-        "norm_bias": True,
-        "ffn_type": "mlp",
+        **FAIRSEQ_BLOCK,
         "hidden_act": c.activation_function,
-        "mlp_bias": True,
-        "attention_bias": True,
-        "attention_out_bias": True,
         "attention_dropout": float(c.attention_dropout),
         "hidden_dropout": float(c.dropout),
         "initializer_range": c.init_std,
@@ -145,47 +142,39 @@ def sides_to_hf(config: TfmSeq2SeqConfig) -> dict:
 
 def block_blockers(side: TfmConfig, out: list[str], family: str) -> None:
     """The fairseq block all three families share: LayerNorm (eps 1e-5), GELU-family MLP, biases, no GQA."""
-    need(side, out, family, "norm_type", "layernorm")
-    need(side, out, family, "norm_bias", True)
-    need(side, out, family, "norm_eps", NORM_EPS)
-    need(side, out, family, "ffn_type", "mlp")
-    need(side, out, family, "mlp_bias", True)
-    need(side, out, family, "attention_bias", True)
-    need(side, out, family, "attention_out_bias", True)
-    need(side, out, family, "num_key_value_heads", side.num_attention_heads, "`num_attention_heads` (no GQA)")
-    need(side, out, family, "head_dim", side.hidden_size // side.num_attention_heads, "hidden/heads")
-    need(side, out, family, "layer_types", lambda v: set(v) == {"full_attention"}, "only 'full_attention'")
+    need_all(side, out, family, FAIRSEQ_BLOCK)
+    need_no_gqa(side, out, family)
+    need_default_head_dim(side, out, family)
+    need_full_attention(side, out, family)
     need(side, out, family, "type_vocab_size", 0)
     scaled = math.sqrt(side.hidden_size)
     need(side, out, family, "embedding_scale", lambda v: v in (1.0, scaled), f"1.0 or sqrt(hidden_size)={scaled}")
 
 
+def stack_blockers(side: TfmConfig, out: list[str], family: str, head: str, positions: dict, final_norm: bool) -> None:
+    """One side of a fairseq model: its `positions` and norm placement, the shared block, the common knobs."""
+    need_all(side, out, family, positions)
+    block_blockers(side, out, family)
+    common_blockers(side, family, out, head, final_norm=final_norm)
+
+
+def _positions(name: str) -> dict:
+    """Learned positions behind an offset of 2, a norm after the embeddings; mBART pre-norm, BART post-norm."""
+    norm = "pre" if name == "mbart" else "post"
+    return {"position_embedding_type": "learned", "position_offset": 2, "embedding_norm": True, "norm_position": norm}
+
+
 def _bart_from_hf(c, head: str, name: str) -> dict:
     warn_unmapped_dropout(c, name)
-    pre = name == "mbart"
-    common = {
-        "vocab_size": c.vocab_size,
-        "position_embedding_type": "learned",
-        "position_offset": 2,
-        "embedding_norm": True,
-        "norm_position": "pre" if pre else "post",
-        "final_norm": pre,
-    }
+    common = {"vocab_size": c.vocab_size, **_positions(name), "final_norm": name == "mbart"}
     # BART ties all its token tables or none (`tie_word_embeddings`).
     tied = c.tie_word_embeddings
     return {**sides_from_hf(c, common), "share_encoder_decoder_embeddings": tied, "tie_word_embeddings": tied}
 
 
 def _bart_blockers(config: TfmSeq2SeqConfig, head: str, name: str) -> list[str]:
-    pre = name == "mbart"
-
     def check(side: TfmConfig, out: list[str]) -> None:
-        need(side, out, name, "position_embedding_type", "learned")
-        need(side, out, name, "position_offset", 2)
-        need(side, out, name, "embedding_norm", True)
-        need(side, out, name, "norm_position", "pre" if pre else "post")
-        block_blockers(side, out, name)
-        common_blockers(side, name, out, head, final_norm=pre)
+        stack_blockers(side, out, name, head, _positions(name), final_norm=name == "mbart")
 
     out = side_blockers(config, check)
     same_on_both_sides(config, out, name, (*ONE_FIELD_KNOBS, "embedding_scale"))
@@ -197,12 +186,10 @@ def _bart_to_hf(config: TfmSeq2SeqConfig, head: str) -> dict:
     return sides_to_hf(config)
 
 
-def _bart_family(name: str, config_class, backbone, lm) -> Family:
+def _bart_family(name: str, prefix: str) -> Family:
     return Family(
         name=name,
-        config_class=config_class,
-        classes={"seq2seq": backbone, "seq2seq_lm": lm},
-        hf_prefix="model.",
+        classes=in_tree_classes(prefix, ("seq2seq", "seq2seq_lm")),
         base_rules=SEQ2SEQ_RULES,
         head_rules=SEQ2SEQ_HEAD_RULES,
         config_from_hf=lambda c, head: _bart_from_hf(c, head, name),
@@ -216,6 +203,6 @@ def _bart_family(name: str, config_class, backbone, lm) -> Family:
 
 
 register(
-    _bart_family("bart", BartConfig, BartModel, BartForConditionalGeneration),
-    _bart_family("mbart", MBartConfig, MBartModel, MBartForConditionalGeneration),
+    _bart_family("bart", "Bart"),
+    _bart_family("mbart", "MBart"),
 )

@@ -1,16 +1,9 @@
 """BERT: post-norm, embedding LayerNorm, token types, learned positions, pooler (dense + tanh), MLM transform."""
 
-from transformers import (
-    BertConfig,
-    BertForMaskedLM,
-    BertForQuestionAnswering,
-    BertForSequenceClassification,
-    BertForTokenClassification,
-    BertModel,
-)
-
+from ..checks import need, need_all, need_default_head_dim, need_full_attention, need_no_gqa
 from ..configuration import TfmConfig
-from .core import Family, Rule, classifier_blockers, common_blockers, need, register, sizes
+from .core import Family, Rule, classifier_blockers, common_blockers, in_tree_classes, register
+from .fields import knobs_from_hf, knobs_to_hf, sizes
 
 BERT_BASE_RULES = [
     Rule("embed_tokens.weight", "embeddings.word_embeddings.weight"),
@@ -39,6 +32,33 @@ BERT_HEAD_RULES = {
 }
 
 
+# hf_tfm knob -> BertConfig attribute, both ways
+BERT_FIELDS = {
+    "intermediate_size": "intermediate_size",
+    "hidden_act": "hidden_act",
+    "hidden_dropout": "hidden_dropout_prob",
+    "attention_dropout": "attention_probs_dropout_prob",
+    "type_vocab_size": "type_vocab_size",
+    "norm_eps": "layer_norm_eps",
+    "classifier_dropout": "classifier_dropout",
+}
+# An encoder with learned positions, and its layers' fixed knobs: an import sets them, an export needs them (checked
+# in this order, the token types between the two)
+BERT_INPUTS = {"is_causal": False, "position_embedding_type": "learned"}
+BERT_LAYERS = {
+    "norm_type": "layernorm",
+    "norm_bias": True,
+    "norm_position": "post",
+    "embedding_norm": True,
+    "ffn_type": "mlp",
+    "mlp_bias": True,
+    "attention_bias": True,
+    "attention_out_bias": True,
+}
+# BertPooler and the sequence classifier's pooling: the first token, a dense layer with bias, tanh
+BERT_POOLER = {"classifier_pooling": "first", "classifier_activation": "tanh", "head_dense_bias": True}
+
+
 def _bert_from_hf(c, head: str) -> dict:
     for knob in ("is_decoder", "add_cross_attention"):
         if getattr(c, knob, False):
@@ -47,55 +67,22 @@ def _bert_from_hf(c, head: str) -> dict:
         raise ValueError(
             f"BertForQuestionAnswering with `num_labels={c.num_labels}` has no hf_tfm equivalent (needs 2)."
         )
-    kwargs = sizes(c)
-    kwargs.update(
-        intermediate_size=c.intermediate_size,
-        position_embedding_type="learned",
-        type_vocab_size=c.type_vocab_size,
-        norm_type="layernorm",
-        norm_bias=True,
-        norm_eps=c.layer_norm_eps,
-        norm_position="post",
-        embedding_norm=True,
-        ffn_type="mlp",
-        hidden_act=c.hidden_act,
-        mlp_bias=True,
-        attention_bias=True,
-        attention_out_bias=True,
-        attention_dropout=float(c.attention_probs_dropout_prob),
-        hidden_dropout=float(c.hidden_dropout_prob),
-        is_causal=False,
-        classifier_pooling="first",
-        classifier_dense=True,
-        classifier_activation="tanh",
-        classifier_bias=True,
-        classifier_dropout=c.classifier_dropout,
-    )
-    return kwargs
+    kwargs = {**sizes(c), **knobs_from_hf(c, BERT_FIELDS), **BERT_INPUTS, **BERT_LAYERS, **BERT_POOLER}
+    return kwargs | {"classifier_dense": True, "classifier_bias": True}
 
 
 def _bert_blockers(config: TfmConfig, head: str) -> list[str]:
     out: list[str] = []
     name = "bert"
-    need(config, out, name, "is_causal", False)
-    need(config, out, name, "position_embedding_type", "learned")
+    need_all(config, out, name, BERT_INPUTS)
     need(config, out, name, "type_vocab_size", lambda v: v > 0, "> 0 (BERT always has token type embeddings)")
-    need(config, out, name, "norm_type", "layernorm")
-    need(config, out, name, "norm_bias", True)
-    need(config, out, name, "norm_position", "post")
-    need(config, out, name, "embedding_norm", True)
-    need(config, out, name, "ffn_type", "mlp")
-    need(config, out, name, "mlp_bias", True)
-    need(config, out, name, "attention_bias", True)
-    need(config, out, name, "attention_out_bias", True)
-    need(config, out, name, "num_key_value_heads", config.num_attention_heads, "`num_attention_heads` (no GQA)")
-    need(config, out, name, "head_dim", config.hidden_size // config.num_attention_heads, "hidden/heads")
-    need(config, out, name, "layer_types", lambda v: set(v) == {"full_attention"}, "only 'full_attention'")
+    need_all(config, out, name, BERT_LAYERS)
+    need_no_gqa(config, out, name)
+    need_default_head_dim(config, out, name)
+    need_full_attention(config, out, name)
     common_blockers(config, name, out, head, base_pooler=True, final_norm=False)
-    if head == "base" and config.add_pooling_layer:  # BertPooler: first token, dense with bias, tanh
-        need(config, out, name, "classifier_pooling", "first")
-        need(config, out, name, "classifier_activation", "tanh")
-        need(config, out, name, "head_dense_bias", True)
+    if head == "base" and config.add_pooling_layer:
+        need_all(config, out, name, BERT_POOLER)
     if head == "causal_lm":
         out.append("head `causal_lm` (hf_tfm exports BERT encoders only)")
     if head == "question_answering":  # BertForQuestionAnswering sizes qa_outputs by num_labels; ours is always 2
@@ -107,37 +94,17 @@ def _bert_blockers(config: TfmConfig, head: str) -> list[str]:
     return out
 
 
-def _bert_to_hf(config: TfmConfig, head: str) -> dict:
-    kwargs = sizes(config)
-    kwargs.update(
-        intermediate_size=config.intermediate_size,
-        hidden_act=config.hidden_act,
-        hidden_dropout_prob=config.hidden_dropout,
-        attention_probs_dropout_prob=config.attention_dropout,
-        type_vocab_size=config.type_vocab_size,
-        layer_norm_eps=config.norm_eps,
-        classifier_dropout=config.classifier_dropout,
-    )
-    return kwargs
-
-
 register(
     Family(
         name="bert",
-        config_class=BertConfig,
-        classes={
-            "base": BertModel,
-            "sequence_classification": BertForSequenceClassification,
-            "token_classification": BertForTokenClassification,
-            "masked_lm": BertForMaskedLM,
-            "question_answering": BertForQuestionAnswering,
-        },
-        hf_prefix="bert.",
+        classes=in_tree_classes(
+            "Bert", ("base", "sequence_classification", "token_classification", "masked_lm", "question_answering")
+        ),
         base_rules=BERT_BASE_RULES,
         head_rules=BERT_HEAD_RULES,
         config_from_hf=_bert_from_hf,
         blockers=_bert_blockers,
-        config_to_hf=_bert_to_hf,
+        config_to_hf=lambda config, head: {**sizes(config), **knobs_to_hf(config, BERT_FIELDS)},
         hf_aliases={"cls.predictions.bias": "cls.predictions.decoder.bias"},
     )
 )

@@ -18,19 +18,8 @@ from transformers import AutoConfig, GenerationConfig, PreTrainedConfig, PreTrai
 from transformers.utils import logging
 
 from .. import modeling
+from ..checks import need, need_dense, need_rope
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
-from ..modeling import (
-    TfmForCausalLM,
-    TfmForConditionalGeneration,
-    TfmForMaskedLM,
-    TfmForQuestionAnswering,
-    TfmForSequenceClassification,
-    TfmForTokenClassification,
-    TfmModel,
-    TfmMoeModel,
-    TfmPreTrainedModel,
-    TfmSeq2SeqModel,
-)
 
 logger = logging.get_logger(__name__)
 
@@ -44,24 +33,25 @@ HEADS = (
     "seq2seq",
     "seq2seq_lm",
 )
+# The heads of the decoder families (Llama-style, GPT-2): their backbone, causal LM, classifiers and span QA
+DECODER_HEADS = ("base", "causal_lm", "sequence_classification", "token_classification", "question_answering")
 BASE_HEADS = ("base", "seq2seq")  # backbones: their weight names carry no head prefix
 TFM_CLASSES = {
-    "base": TfmModel,
-    "causal_lm": TfmForCausalLM,
-    "sequence_classification": TfmForSequenceClassification,
-    "token_classification": TfmForTokenClassification,
-    "masked_lm": TfmForMaskedLM,
-    "question_answering": TfmForQuestionAnswering,
-    "seq2seq": TfmSeq2SeqModel,
-    "seq2seq_lm": TfmForConditionalGeneration,
+    "base": modeling.TfmModel,
+    "causal_lm": modeling.TfmForCausalLM,
+    "sequence_classification": modeling.TfmForSequenceClassification,
+    "token_classification": modeling.TfmForTokenClassification,
+    "masked_lm": modeling.TfmForMaskedLM,
+    "question_answering": modeling.TfmForQuestionAnswering,
+    "seq2seq": modeling.TfmSeq2SeqModel,
+    "seq2seq_lm": modeling.TfmForConditionalGeneration,
 }
-IN_TREE_DEFAULT_CLASSIFIER_DROPOUT = 0.1  # GenericForTokenClassification / GPT-2's fallback when the config has none
 # Config fields every head carries unchanged in both directions (labels, problem type).
 CARRIED_FIELDS = ("id2label", "label2id", "problem_type")
 
 
 def _head_of(model: torch.nn.Module) -> str:
-    kind = TfmModel if isinstance(model, TfmMoeModel) else type(model)  # the backbone, with experts
+    kind = modeling.TfmModel if isinstance(model, modeling.TfmMoeModel) else type(model)  # the backbone, with experts
     for head, cls in TFM_CLASSES.items():
         if kind is cls:
             return head
@@ -106,16 +96,60 @@ def _prefixed(rules: list[Rule], tfm_prefix: str, hf_prefix: str) -> list[Rule]:
     return [Rule(tfm_prefix + r.tfm, hf_prefix + r.hf, r.transpose) for r in rules]
 
 
+@dataclass(frozen=True)
+class Fused:
+    """In-tree weights that stack several hf_tfm projections along their outputs, in each layer (`layer`: a regex of
+    a layer's key prefix): `fused` maps each such weight's name to the projections it holds, in row order. GPT-2's
+    Conv1D weights (`conv1d`) are (in, out), so theirs stack along dim 1. `split` runs before the rules on import,
+    `fuse` after them on export."""
+
+    layer: str
+    fused: dict[str, tuple[str, ...]]
+    conv1d: bool = False
+
+    def _dim(self, kind: str) -> int:
+        return 1 if self.conv1d and kind == "weight" else 0
+
+    def split(self, state: dict) -> dict:
+        names = "|".join(map(re.escape, self.fused))
+        pattern = re.compile(rf"(?P<pre>{self.layer})(?P<f>{names})\.(?P<p>weight|bias)")
+        out = {}
+        for key, value in state.items():
+            match = pattern.fullmatch(key)
+            if not match:
+                out[key] = value
+                continue
+            parts = self.fused[match["f"]]
+            for name, part in zip(parts, value.chunk(len(parts), dim=self._dim(match["p"])), strict=True):
+                out[f"{match['pre']}{name}.{match['p']}"] = part
+        return out
+
+    def fuse(self, state: dict) -> dict:
+        owner = {part: fused for fused, parts in self.fused.items() for part in parts}
+        pattern = re.compile(rf"(?P<pre>{self.layer})(?P<n>{'|'.join(map(re.escape, owner))})\.(?P<p>weight|bias)")
+        out, found = {}, {}
+        for key, value in state.items():
+            match = pattern.fullmatch(key)
+            if match:
+                found.setdefault((match["pre"], owner[match["n"]], match["p"]), {})[match["n"]] = value
+            else:
+                out[key] = value
+        for (pre, fused, p), parts in found.items():
+            out[f"{pre}{fused}.{p}"] = torch.cat([parts[n] for n in self.fused[fused]], dim=self._dim(p))
+        return out
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Families
 
 
 @dataclass
 class Family:
+    """One in-tree family: its classes per head (the backbone first), the weight-name rules of its backbone and
+    heads, and its three config mappings."""
+
     name: str
-    config_class: type
     classes: dict[str, type]  # head -> in-tree class
-    hf_prefix: str  # the in-tree base model's attribute inside its heads ("model.", "transformer.", "bert.")
     base_rules: list[Rule]
     head_rules: dict[str, list[Rule]]
     config_from_hf: Callable  # (hf_config, head) -> TfmConfig kwargs
@@ -124,25 +158,39 @@ class Family:
     hf_aliases: dict[str, str] = field(default_factory=dict)  # in-tree key -> the key it must equal (tied copies)
     split_state: Callable | None = None  # in-tree state dict -> the same with fused projections split (before rules)
     fuse_state: Callable | None = None  # the reverse, after the rules (GPT-2's c_attn, ModernBERT's Wqkv and Wi)
-    head_prefixes: dict[str, str] = field(default_factory=dict)  # head -> hf_prefix where a head differs (Llama QA)
     seq2seq: bool = False  # an encoder-decoder family: its hf_tfm side is a TfmSeq2SeqConfig
     moe: bool = False  # has mixture-of-experts layers; the other families need `num_experts=None`
+
+    @property
+    def config_class(self) -> type:
+        return next(iter(self.classes.values())).config_class
 
     def rules(self, head: str) -> list[Rule]:
         if head in BASE_HEADS:
             return self.base_rules + self.head_rules.get("base", [])
-        prefix = self.head_prefixes.get(head, self.hf_prefix)
+        # A head keeps its backbone under its class's `base_model_prefix` ("model", "transformer", "bert"; Llama's
+        # question-answering head "transformer", Mistral's "model")
+        prefix = f"{self.classes[head].base_model_prefix}."
         return _prefixed(self.base_rules, "model.", prefix) + self.head_rules.get(head, [])
 
 
-def need(config: TfmConfig, out: list[str], family: str, knob: str, expected, why: str | None = None) -> None:
-    """Append a blocker message when `config.<knob>` differs from `expected` (a value or a predicate). A knob the
-    config does not have (the expert knobs of a dense config, `rope_parameters` without RoPE) reads as None."""
-    value = getattr(config, knob, None)
-    ok = expected(value) if callable(expected) else value == expected
-    if not ok:
-        needs = why or f"{expected!r}"
-        out.append(f"`{knob}`={value!r} ({family} needs {needs})")
+# head -> the suffix of transformers' class for it, after the family's prefix ("Llama" + "ForCausalLM")
+HEAD_SUFFIXES = {
+    "base": "Model",
+    "causal_lm": "ForCausalLM",
+    "sequence_classification": "ForSequenceClassification",
+    "token_classification": "ForTokenClassification",
+    "masked_lm": "ForMaskedLM",
+    "question_answering": "ForQuestionAnswering",
+    "seq2seq": "Model",
+    "seq2seq_lm": "ForConditionalGeneration",
+}
+
+
+def in_tree_classes(prefix: str, heads: tuple[str, ...], **named: type) -> dict[str, type]:
+    """head -> transformers' class `prefix + HEAD_SUFFIXES[head]` for each of `heads` (the backbone first), except
+    those `named` gives under another name (GPT-2's causal LM is `GPT2LMHeadModel`)."""
+    return {head: named.get(head) or getattr(transformers, prefix + HEAD_SUFFIXES[head]) for head in heads}
 
 
 def common_blockers(
@@ -170,7 +218,7 @@ def common_blockers(
     need(config, out, family, "first_layer_attn_norm", first_layer_attn_norm)
     need(config, out, family, "final_norm", final_norm)
     if flat_rope:
-        need(config, out, family, "rope_parameters", lambda v: not config.rope_per_layer_type, "one flat RoPE dict")
+        need_rope(config, out, family)
     if not hidden_dropout:  # no dropout outside attention in the block
         need(config, out, family, "hidden_dropout", 0.0)
 
@@ -181,16 +229,6 @@ MOE_RULES = [
     Rule("layers.{i}.mlp.experts.{n}", "layers.{i}.mlp.experts.{n}"),  # gate_up_proj (E, 2I, H), down_proj (E, H, I)
     Rule("layers.{i}.mlp.shared_expert.{n}.{p}", "layers.{i}.mlp.shared_expert.{n}.{p}"),
 ]
-
-
-def moe_from_hf(c, num_experts: int) -> dict:
-    """The MoE knobs every in-tree family names alike."""
-    return {
-        "num_experts": num_experts,
-        "num_experts_per_tok": c.num_experts_per_tok,
-        "router_aux_loss_coef": c.router_aux_loss_coef,
-        "output_router_logits": c.output_router_logits,
-    }
 
 
 def moe_blockers(
@@ -238,6 +276,13 @@ def classifier_blockers(
         need(config, out, family, "classifier_bias", True)
 
 
+def last_token_head_blockers(config: TfmConfig, head: str, family: str, out: list[str]) -> None:
+    """A decoder family's heads: no masked-LM class; sequence classifiers pool the last token, with no bias."""
+    if head == "masked_lm":
+        out.append(f"head `masked_lm` ({family} has no masked-LM class)")
+    classifier_blockers(config, head, family, out, pooling="last", bias=False)
+
+
 def side_blockers(config: TfmSeq2SeqConfig, check: Callable[[TfmConfig, list[str]], None]) -> list[str]:
     """Run `check(side, out)` on the encoder's and the decoder's config; messages name `encoder.<knob>` etc."""
     out = []
@@ -254,30 +299,6 @@ def same_on_both_sides(config: TfmSeq2SeqConfig, out: list[str], family: str, kn
         need(config.decoder, out, family, knob, getattr(config.encoder, knob), "the encoder's value: one field")
         if out and out[-1].startswith(f"`{knob}`"):
             out[-1] = f"`decoder.{out[-1][1:]}"
-
-
-def sizes(c) -> dict:
-    return {
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "num_hidden_layers": c.num_hidden_layers,
-        "num_attention_heads": c.num_attention_heads,
-        "max_position_embeddings": c.max_position_embeddings,
-        "initializer_range": c.initializer_range,
-        "pad_token_id": c.pad_token_id,
-        "bos_token_id": c.bos_token_id,
-        "eos_token_id": c.eos_token_id,
-        "tie_word_embeddings": c.tie_word_embeddings,
-        "use_cache": getattr(c, "use_cache", True),  # ModernBERT (an encoder) has none
-    }
-
-
-def token_dropout_to_hf(config: TfmConfig, head: str) -> dict:
-    """Only the token classifier of Llama-like / GPT-2 models reads a (non-field) `classifier_dropout`."""
-    if head != "token_classification":
-        return {}
-    p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout
-    return {} if p == IN_TREE_DEFAULT_CLASSIFIER_DROPOUT else {"classifier_dropout": p}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -354,7 +375,7 @@ def _tied_targets(model: PreTrainedModel) -> set[str]:
     return set(getattr(model, "all_tied_weights_keys", None) or {})
 
 
-def from_hf(model_or_path: PreTrainedModel | str | Path) -> TfmPreTrainedModel:
+def from_hf(model_or_path: PreTrainedModel | str | Path) -> modeling.TfmPreTrainedModel:
     """An in-tree Llama / Mistral / Qwen2 / GPT-2 / BERT / ModernBERT / Mixtral / Qwen2-MoE / OLMoE model (object or
     folder) as hf_tfm's equivalent.
 
@@ -403,7 +424,7 @@ def export_blockers(config: TfmConfig, head: str = "base") -> dict[str, list[str
             continue
 
         def dense(side: TfmConfig, out: list[str], family: str = name) -> None:
-            need(side, out, family, "num_experts", None, "None (no mixture-of-experts layers)")
+            need_dense(side, out, family)
 
         if seq2seq:
             found += side_blockers(config, dense)
@@ -412,7 +433,7 @@ def export_blockers(config: TfmConfig, head: str = "base") -> dict[str, list[str
     return blockers
 
 
-def to_hf(model: TfmPreTrainedModel | str | Path) -> PreTrainedModel:
+def to_hf(model: modeling.TfmPreTrainedModel | str | Path) -> PreTrainedModel:
     """The in-tree transformers model equal to an hf_tfm model, or a `ValueError` naming every blocking knob.
 
     The first registered family that expresses the config exactly wins, in the order of `FAMILIES` (llama, mistral,

@@ -1,30 +1,21 @@
 """GPT-2: learned positions, LayerNorm with bias, GELU MLP, biases everywhere, Conv1D (in, out) weights, fused qkv."""
 
-import re
-
-import torch
-from transformers import (
-    GPT2Config,
-    GPT2ForQuestionAnswering,
-    GPT2ForSequenceClassification,
-    GPT2ForTokenClassification,
-    GPT2LMHeadModel,
-    GPT2Model,
-)
+import transformers
 from transformers.utils import logging
 
+from ..checks import need_all, need_default_head_dim, need_full_attention, need_no_gqa
 from ..configuration import TfmConfig
 from .core import (
-    IN_TREE_DEFAULT_CLASSIFIER_DROPOUT,
+    DECODER_HEADS,
     Family,
+    Fused,
     Rule,
-    classifier_blockers,
     common_blockers,
-    need,
+    in_tree_classes,
+    last_token_head_blockers,
     register,
-    sizes,
-    token_dropout_to_hf,
 )
+from .fields import knobs_from_hf, knobs_to_hf, last_token_classifier, sizes, token_dropout_to_hf
 
 logger = logging.get_logger(__name__)
 
@@ -45,36 +36,36 @@ GPT2_HEAD_RULES = {
     "token_classification": [Rule("score.{p}", "classifier.{p}")],
     "question_answering": [Rule("qa_outputs.{p}", "qa_outputs.{p}")],
 }
-_C_ATTN = re.compile(r"(?P<pre>.*h\.\d+\.attn\.)c_attn\.(?P<p>weight|bias)")
-_QKV = re.compile(r"(?P<pre>.*h\.\d+\.attn\.)(?P<n>q_proj|k_proj|v_proj)\.(?P<p>weight|bias)")
+# GPT-2's c_attn (Conv1D: weight (in, 3*out), bias (3*out)) holds q/k/v, all queries first
+C_ATTN = Fused(r".*h\.\d+\.", {"attn.c_attn": ("attn.q_proj", "attn.k_proj", "attn.v_proj")}, conv1d=True)
 
 
-def _split_c_attn(state: dict) -> dict:
-    """GPT-2's fused c_attn (Conv1D: weight (in, 3*out), bias (3*out)) -> per-projection q/k/v entries, same layout."""
-    out = {}
-    for key, value in state.items():
-        match = _C_ATTN.fullmatch(key)
-        if not match:
-            out[key] = value
-            continue
-        dim = 1 if match["p"] == "weight" else 0
-        for name, part in zip(("q_proj", "k_proj", "v_proj"), value.chunk(3, dim=dim), strict=True):
-            out[f"{match['pre']}{name}.{match['p']}"] = part
-    return out
-
-
-def _fuse_c_attn(state: dict) -> dict:
-    out, parts = {}, {}
-    for key, value in state.items():
-        match = _QKV.fullmatch(key)
-        if match:
-            parts.setdefault((match["pre"], match["p"]), {})[match["n"]] = value
-        else:
-            out[key] = value
-    for (pre, p), qkv in parts.items():
-        dim = 1 if p == "weight" else 0
-        out[f"{pre}c_attn.{p}"] = torch.cat([qkv["q_proj"], qkv["k_proj"], qkv["v_proj"]], dim=dim)
-    return out
+# The block's fixed knobs: an import sets them, an export needs them (checked in this order)
+GPT2_BLOCK = {
+    "is_causal": True,
+    "position_embedding_type": "learned",
+    "norm_type": "layernorm",
+    "norm_bias": True,
+    "norm_position": "pre",
+    "ffn_type": "mlp",
+    "mlp_bias": True,
+    "attention_bias": True,
+    "attention_out_bias": True,
+}
+# hf_tfm knob -> GPT2Config attribute (`resid_pdrop` also gives `embd_pdrop` on export)
+GPT2_FIELDS = {
+    "hidden_act": "activation_function",
+    "norm_eps": "layer_norm_epsilon",
+    "attention_dropout": "attn_pdrop",
+    "hidden_dropout": "resid_pdrop",
+}
+# Sizes GPT2Config takes under its own names on export
+GPT2_SIZES = {
+    "hidden_size": "n_embd",
+    "num_hidden_layers": "n_layer",
+    "num_attention_heads": "n_head",
+    "max_position_embeddings": "n_positions",
+}
 
 
 def _gpt2_from_hf(c, head: str) -> dict:
@@ -87,94 +78,43 @@ def _gpt2_from_hf(c, head: str) -> dict:
             raise ValueError(f"GPT-2 with `{knob}={getattr(c, knob)}` has no hf_tfm equivalent.")
     if c.embd_pdrop != c.resid_pdrop:
         logger.warning("GPT-2 embd_pdrop != resid_pdrop: hf_tfm uses resid_pdrop for both (`hidden_dropout`).")
-    kwargs = sizes(c)
-    kwargs.update(
-        intermediate_size=c.n_inner or 4 * c.hidden_size,
-        position_embedding_type="learned",
-        norm_type="layernorm",
-        norm_bias=True,
-        norm_eps=c.layer_norm_epsilon,
-        norm_position="pre",
-        ffn_type="mlp",
-        hidden_act=c.activation_function,
-        mlp_bias=True,
-        attention_bias=True,
-        attention_out_bias=True,
-        attention_dropout=float(c.attn_pdrop),
-        hidden_dropout=float(c.resid_pdrop),
-        is_causal=True,
-        classifier_pooling="last",
-        classifier_bias=head == "token_classification",
-        classifier_dropout=getattr(c, "classifier_dropout", None),
-    )
-    if head == "token_classification" and kwargs["classifier_dropout"] is None:
-        kwargs["classifier_dropout"] = IN_TREE_DEFAULT_CLASSIFIER_DROPOUT
+    kwargs = {**sizes(c), **GPT2_BLOCK, **knobs_from_hf(c, GPT2_FIELDS), **last_token_classifier(c, head)}
+    kwargs["intermediate_size"] = c.n_inner or 4 * c.hidden_size
     return kwargs
 
 
 def _gpt2_blockers(config: TfmConfig, head: str) -> list[str]:
     out: list[str] = []
     name = "gpt2"
-    need(config, out, name, "is_causal", True)
-    need(config, out, name, "position_embedding_type", "learned")
-    need(config, out, name, "norm_type", "layernorm")
-    need(config, out, name, "norm_bias", True)
-    need(config, out, name, "norm_position", "pre")
-    need(config, out, name, "ffn_type", "mlp")
-    need(config, out, name, "mlp_bias", True)
-    need(config, out, name, "attention_bias", True)
-    need(config, out, name, "attention_out_bias", True)
-    need(config, out, name, "num_key_value_heads", config.num_attention_heads, "`num_attention_heads` (no GQA)")
-    need(config, out, name, "head_dim", config.hidden_size // config.num_attention_heads, "hidden/heads")
-    need(config, out, name, "layer_types", lambda v: set(v) == {"full_attention"}, "only 'full_attention'")
-    need(config, out, name, "embedding_norm", False)
-    need(config, out, name, "type_vocab_size", 0)
+    need_all(config, out, name, GPT2_BLOCK)
+    need_no_gqa(config, out, name)
+    need_default_head_dim(config, out, name)
+    need_full_attention(config, out, name)
+    need_all(config, out, name, {"embedding_norm": False, "type_vocab_size": 0})
     common_blockers(config, name, out, head)
-    if head == "masked_lm":
-        out.append("head `masked_lm` (gpt2 has no masked-LM class)")
-    classifier_blockers(config, head, name, out, pooling="last", bias=False)
+    last_token_head_blockers(config, head, name, out)
     return out
 
 
 def _gpt2_to_hf(config: TfmConfig, head: str) -> dict:
-    kwargs = sizes(config)
-    for ours, theirs in (
-        ("hidden_size", "n_embd"),
-        ("num_hidden_layers", "n_layer"),
-        ("num_attention_heads", "n_head"),
-        ("max_position_embeddings", "n_positions"),
-    ):
-        kwargs[theirs] = kwargs.pop(ours)
+    kwargs = {GPT2_SIZES.get(knob, knob): value for knob, value in sizes(config).items()}
     kwargs.update(
-        n_inner=None if config.intermediate_size == 4 * config.hidden_size else config.intermediate_size,
-        activation_function=config.hidden_act,
-        resid_pdrop=config.hidden_dropout,
-        embd_pdrop=config.hidden_dropout,
-        attn_pdrop=config.attention_dropout,
-        layer_norm_epsilon=config.norm_eps,
-        **token_dropout_to_hf(config, head),
+        knobs_to_hf(config, GPT2_FIELDS), embd_pdrop=config.hidden_dropout, **token_dropout_to_hf(config, head)
     )
+    kwargs["n_inner"] = None if config.intermediate_size == 4 * config.hidden_size else config.intermediate_size
     return kwargs
 
 
 register(
     Family(
         name="gpt2",
-        config_class=GPT2Config,
-        classes={
-            "base": GPT2Model,
-            "causal_lm": GPT2LMHeadModel,
-            "sequence_classification": GPT2ForSequenceClassification,
-            "token_classification": GPT2ForTokenClassification,
-            "question_answering": GPT2ForQuestionAnswering,
-        },
-        hf_prefix="transformer.",
+        classes=in_tree_classes("GPT2", DECODER_HEADS, causal_lm=transformers.GPT2LMHeadModel),
         base_rules=GPT2_BASE_RULES,
         head_rules=GPT2_HEAD_RULES,
         config_from_hf=_gpt2_from_hf,
         blockers=_gpt2_blockers,
         config_to_hf=_gpt2_to_hf,
-        split_state=_split_c_attn,
-        fuse_state=_fuse_c_attn,
+        split_state=C_ATTN.split,
+        fuse_state=C_ATTN.fuse,
     )
 )

@@ -1,38 +1,22 @@
-"""Llama, Mistral and Qwen2: one block (RoPE, RMSNorm, SwiGLU, pre-norm, GQA); they differ in biases and windows."""
+"""Llama, Mistral and Qwen2: one block (RoPE, RMSNorm, SwiGLU, pre-norm, GQA); they differ in biases and windows.
 
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    LlamaForQuestionAnswering,
-    LlamaForSequenceClassification,
-    LlamaForTokenClassification,
-    LlamaModel,
-    MistralConfig,
-    MistralForCausalLM,
-    MistralForQuestionAnswering,
-    MistralForSequenceClassification,
-    MistralForTokenClassification,
-    MistralModel,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen2ForQuestionAnswering,
-    Qwen2ForSequenceClassification,
-    Qwen2ForTokenClassification,
-    Qwen2Model,
-)
+The tables here are also those of the Llama-style mixture-of-experts families (`mixtral.py`, `qwen2_moe.py`,
+`olmoe.py`): weight names, the knobs named alike and the block's fixed values.
+"""
 
+from ..checks import need, need_all, need_default_head_dim
 from ..configuration import TfmConfig
 from .core import (
-    IN_TREE_DEFAULT_CLASSIFIER_DROPOUT,
+    DECODER_HEADS,
+    MOE_RULES,
     Family,
     Rule,
-    classifier_blockers,
     common_blockers,
-    need,
+    in_tree_classes,
+    last_token_head_blockers,
     register,
-    sizes,
-    token_dropout_to_hf,
 )
+from .fields import knobs_from_hf, knobs_to_hf, last_token_classifier, sizes, token_dropout_to_hf
 
 LLAMA_BASE_RULES = [
     Rule("embed_tokens.{p}", "embed_tokens.{p}"),
@@ -48,33 +32,50 @@ LLAMA_HEAD_RULES = {
     "token_classification": [Rule("score.{p}", "score.{p}")],
     "question_answering": [Rule("qa_outputs.{p}", "qa_outputs.{p}")],
 }
+# hf_tfm knob -> the in-tree attribute, alike in every Llama-style family (each adds its own entries)
+LLAMA_FIELDS = {
+    "num_key_value_heads": "num_key_value_heads",
+    "hidden_act": "hidden_act",
+    "norm_eps": "rms_norm_eps",
+    "rope_parameters": "rope_parameters",
+    "attention_dropout": "attention_dropout",
+}
+# The block's fixed knobs: an import sets them, an export needs them (checked in this order)
+LLAMA_BLOCK = {
+    "is_causal": True,
+    "position_embedding_type": "rope",
+    "norm_type": "rmsnorm",
+    "norm_position": "pre",
+    "ffn_type": "glu",
+    "embedding_norm": False,
+    "type_vocab_size": 0,
+}
+# The mixture-of-experts families' blockers leave `ffn_type` out (their experts are SwiGLU whatever it says)
+MOE_BLOCK = {knob: value for knob, value in LLAMA_BLOCK.items() if knob != "ffn_type"}
+# Per family: the in-tree fields of its own, both ways
+_FIELDS = {
+    "llama": {"intermediate_size": "intermediate_size", "attention_bias": "attention_bias", "mlp_bias": "mlp_bias"},
+    "mistral": {"intermediate_size": "intermediate_size"},
+    "qwen2": {"intermediate_size": "intermediate_size"},
+}
+
+
+def llama_style_from_hf(c, fields: dict[str, str]) -> dict:
+    """What every Llama-style import reads and sets: the sizes, `LLAMA_FIELDS` and the family's `fields`, the block,
+    no dropout outside attention."""
+    return {**sizes(c), **knobs_from_hf(c, {**LLAMA_FIELDS, **fields}), **LLAMA_BLOCK, "hidden_dropout": 0.0}
+
+
+def llama_style_to_hf(config: TfmConfig, fields: dict[str, str]) -> dict:
+    """The in-tree config kwargs of `llama_style_from_hf`'s fields, from the hf_tfm config."""
+    return {**sizes(config), **knobs_to_hf(config, {**LLAMA_FIELDS, **fields})}
 
 
 def _llama_like_from_hf(c, head: str, name: str) -> dict:
-    kwargs = sizes(c)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kwargs.update(
-        num_key_value_heads=c.num_key_value_heads,
-        head_dim=head_dim,
-        intermediate_size=c.intermediate_size,
-        position_embedding_type="rope",
-        rope_parameters=dict(c.rope_parameters),
-        norm_type="rmsnorm",
-        norm_eps=c.rms_norm_eps,
-        norm_position="pre",
-        ffn_type="glu",
-        hidden_act=c.hidden_act,
-        attention_dropout=float(c.attention_dropout),
-        hidden_dropout=0.0,
-        is_causal=True,
-        classifier_pooling="last",
-        classifier_bias=head == "token_classification",
-        classifier_dropout=getattr(c, "classifier_dropout", None),
-    )
-    if head == "token_classification" and kwargs["classifier_dropout"] is None:
-        kwargs["classifier_dropout"] = IN_TREE_DEFAULT_CLASSIFIER_DROPOUT
+    kwargs = llama_style_from_hf(c, _FIELDS[name]) | last_token_classifier(c, head)
+    kwargs["head_dim"] = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     if name == "llama":
-        kwargs.update(attention_bias=c.attention_bias, attention_out_bias=c.attention_bias, mlp_bias=c.mlp_bias)
+        kwargs["attention_out_bias"] = c.attention_bias  # one knob for every projection
     elif name == "mistral":
         kwargs.update(attention_bias=False, mlp_bias=False, sliding_window=c.sliding_window)
     else:  # qwen2: q/k/v bias, none on o_proj; per-layer full / sliding attention
@@ -94,71 +95,43 @@ def _llama_like_from_hf(c, head: str, name: str) -> dict:
 
 def _llama_like_blockers(config: TfmConfig, head: str, name: str) -> list[str]:
     out: list[str] = []
-    need(config, out, name, "is_causal", True)
-    need(config, out, name, "position_embedding_type", "rope")
-    need(config, out, name, "norm_type", "rmsnorm")
-    need(config, out, name, "norm_position", "pre")
-    need(config, out, name, "ffn_type", "glu")
-    need(config, out, name, "embedding_norm", False)
-    need(config, out, name, "type_vocab_size", 0)
+    need_all(config, out, name, LLAMA_BLOCK)
     common_blockers(config, name, out, head, hidden_dropout=False)
     sliding = set(config.layer_types)
     if name == "llama":
         need(config, out, name, "attention_out_bias", config.attention_bias, "the same value as `attention_bias`")
         need(config, out, name, "layer_types", lambda v: sliding == {"full_attention"}, "only 'full_attention'")
     elif name == "mistral":
-        need(config, out, name, "attention_bias", False)
-        need(config, out, name, "attention_out_bias", False)
-        need(config, out, name, "mlp_bias", False)
+        need_all(config, out, name, {"attention_bias": False, "attention_out_bias": False, "mlp_bias": False})
         need(config, out, name, "layer_types", lambda v: sliding == {"sliding_attention"}, "only sliding layers")
     else:
-        need(config, out, name, "attention_bias", True)
-        need(config, out, name, "attention_out_bias", False)
-        need(config, out, name, "mlp_bias", False)
-        need(config, out, name, "head_dim", config.hidden_size // config.num_attention_heads)
-    if head == "masked_lm":
-        out.append(f"head `masked_lm` ({name} has no masked-LM class)")
-    classifier_blockers(config, head, name, out, pooling="last", bias=False)
+        need_all(config, out, name, {"attention_bias": True, "attention_out_bias": False, "mlp_bias": False})
+        need_default_head_dim(config, out, name, why=None)
+    last_token_head_blockers(config, head, name, out)
     return out
 
 
 def _llama_like_to_hf(config: TfmConfig, head: str, name: str) -> dict:
-    kwargs = sizes(config)
-    kwargs.update(
-        num_key_value_heads=config.num_key_value_heads,
-        intermediate_size=config.intermediate_size,
-        hidden_act=config.hidden_act,
-        rms_norm_eps=config.norm_eps,
-        rope_parameters=dict(config.rope_parameters),
-        attention_dropout=config.attention_dropout,
-        **token_dropout_to_hf(config, head),
-    )
-    if name == "llama":
-        kwargs.update(attention_bias=config.attention_bias, mlp_bias=config.mlp_bias, head_dim=config.head_dim)
-    elif name == "mistral":
-        kwargs.update(sliding_window=config.sliding_window, head_dim=config.head_dim)
-    else:
-        sliding = [i for i, t in enumerate(config.layer_types) if t == "sliding_attention"]
-        if sliding:
-            kwargs.update(
-                use_sliding_window=True,
-                sliding_window=config.sliding_window,
-                max_window_layers=sliding[0],
-                layer_types=list(config.layer_types),
-            )
+    kwargs = llama_style_to_hf(config, _FIELDS[name]) | token_dropout_to_hf(config, head)
+    if name in ("llama", "mistral"):
+        kwargs["head_dim"] = config.head_dim
+    if name == "mistral":
+        kwargs["sliding_window"] = config.sliding_window
+    sliding = [i for i, t in enumerate(config.layer_types) if t == "sliding_attention"]
+    if name == "qwen2" and sliding:
+        kwargs.update(
+            use_sliding_window=True,
+            sliding_window=config.sliding_window,
+            max_window_layers=sliding[0],
+            layer_types=list(config.layer_types),
+        )
     return kwargs
 
 
-def _llama_like(name: str, config_class, classes) -> Family:
-    heads = ("base", "causal_lm", "sequence_classification", "token_classification", "question_answering")
-    classes = dict(zip(heads, classes, strict=True))
+def _llama_like(name: str, prefix: str) -> Family:
     return Family(
         name=name,
-        config_class=config_class,
-        classes=classes,
-        hf_prefix="model.",
-        # LlamaForQuestionAnswering / Qwen2's keep their backbone under `transformer.` (Mistral's under `model.`)
-        head_prefixes={"question_answering": classes["question_answering"].base_model_prefix + "."},
+        classes=in_tree_classes(prefix, DECODER_HEADS),
         base_rules=LLAMA_BASE_RULES,
         head_rules=LLAMA_HEAD_RULES,
         config_from_hf=lambda c, head: _llama_like_from_hf(c, head, name),
@@ -167,38 +140,17 @@ def _llama_like(name: str, config_class, classes) -> Family:
     )
 
 
-register(
-    _llama_like(
-        "llama",
-        LlamaConfig,
-        (
-            LlamaModel,
-            LlamaForCausalLM,
-            LlamaForSequenceClassification,
-            LlamaForTokenClassification,
-            LlamaForQuestionAnswering,
-        ),
-    ),
-    _llama_like(
-        "mistral",
-        MistralConfig,
-        (
-            MistralModel,
-            MistralForCausalLM,
-            MistralForSequenceClassification,
-            MistralForTokenClassification,
-            MistralForQuestionAnswering,
-        ),
-    ),
-    _llama_like(
-        "qwen2",
-        Qwen2Config,
-        (
-            Qwen2Model,
-            Qwen2ForCausalLM,
-            Qwen2ForSequenceClassification,
-            Qwen2ForTokenClassification,
-            Qwen2ForQuestionAnswering,
-        ),
-    ),
-)
+def moe_family(name: str, prefix: str, heads: tuple[str, ...], **mappings) -> Family:
+    """A Llama-style family with experts (Mixtral, Qwen2-MoE, OLMoE): Llama's weight names and the experts', and its
+    `config_from_hf`, `blockers` and `config_to_hf` (`mappings`)."""
+    return Family(
+        name=name,
+        classes=in_tree_classes(prefix, heads),
+        base_rules=MOE_RULES + LLAMA_BASE_RULES,
+        head_rules={head: rules for head, rules in LLAMA_HEAD_RULES.items() if head in heads},
+        moe=True,
+        **mappings,
+    )
+
+
+register(_llama_like("llama", "Llama"), _llama_like("mistral", "Mistral"), _llama_like("qwen2", "Qwen2"))

@@ -8,8 +8,9 @@ separate encoder and decoder vocabularies (`share_encoder_decoder_embeddings=Fal
 import re
 
 import torch
-from transformers import MarianConfig, MarianModel, MarianMTModel
+import transformers
 
+from ..checks import need
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
 from ..modeling import TfmSinusoidalEmbedding
 from .bart import (
@@ -19,14 +20,21 @@ from .bart import (
     SHARED_ALIASES,
     bias_from_hf,
     bias_to_hf,
-    block_blockers,
     sides_from_hf,
     sides_to_hf,
+    stack_blockers,
     warn_unmapped_dropout,
 )
-from .core import Family, common_blockers, need, register, same_on_both_sides, side_blockers
+from .core import Family, in_tree_classes, register, same_on_both_sides, side_blockers
 
 _POSITIONS = re.compile(r"(model\.)?(encoder|decoder)\.embed_positions\.weight")
+# Its sinusoid (all sines, then all cosines), post-norm, no norm after the embeddings
+MARIAN_POSITIONS = {
+    "position_embedding_type": "sinusoidal",
+    "sinusoidal_layout": "halves",
+    "embedding_norm": False,
+    "norm_position": "post",
+}
 # Marian builds its table in float64 and stores it in float32; hf_tfm computes in float32: they differ by ~1e-7 x pos.
 SINUSOID_ATOL = 1e-5
 
@@ -57,15 +65,7 @@ def _marian_from_hf(c, head: str) -> dict:
     # Marian ties its tables only with `tie_word_embeddings` (then all of them, shared or not): untied, both sides
     # read their own table even with `share_encoder_decoder_embeddings`.
     share = c.share_encoder_decoder_embeddings and c.tie_word_embeddings
-    kwargs = sides_from_hf(
-        c,
-        {
-            "position_embedding_type": "sinusoidal",
-            "sinusoidal_layout": "halves",
-            "norm_position": "post",
-            "final_norm": False,
-        },
-    )
+    kwargs = sides_from_hf(c, {**MARIAN_POSITIONS, "final_norm": False})
     kwargs["encoder"]["vocab_size"] = c.vocab_size
     kwargs["decoder"]["vocab_size"] = c.vocab_size if c.share_encoder_decoder_embeddings else c.decoder_vocab_size
     return {**kwargs, "share_encoder_decoder_embeddings": share, "tie_word_embeddings": c.tie_word_embeddings}
@@ -75,12 +75,7 @@ def _marian_blockers(config: TfmSeq2SeqConfig, head: str) -> list[str]:
     name = "marian"
 
     def check(side: TfmConfig, out: list[str]) -> None:
-        need(side, out, name, "position_embedding_type", "sinusoidal")
-        need(side, out, name, "sinusoidal_layout", "halves")
-        need(side, out, name, "embedding_norm", False)
-        need(side, out, name, "norm_position", "post")
-        block_blockers(side, out, name)
-        common_blockers(side, name, out, head, final_norm=False)
+        stack_blockers(side, out, name, head, MARIAN_POSITIONS, final_norm=False)
 
     out = side_blockers(config, check)
     one_field = tuple(k for k in ONE_FIELD_KNOBS if k != "vocab_size")  # Marian has `decoder_vocab_size`
@@ -102,9 +97,7 @@ def _marian_to_hf(config: TfmSeq2SeqConfig, head: str) -> dict:
 register(
     Family(
         name="marian",
-        config_class=MarianConfig,
-        classes={"seq2seq": MarianModel, "seq2seq_lm": MarianMTModel},
-        hf_prefix="model.",
+        classes=in_tree_classes("Marian", ("seq2seq", "seq2seq_lm"), seq2seq_lm=transformers.MarianMTModel),
         base_rules=[r for r in SEQ2SEQ_RULES if "embed_positions" not in r.tfm],
         head_rules=SEQ2SEQ_HEAD_RULES,
         config_from_hf=_marian_from_hf,

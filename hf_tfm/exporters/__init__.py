@@ -7,39 +7,36 @@
 * `ctranslate2`: a CTranslate2 model folder, its spec built from the config (`ctranslate2.py`);
 * `executorch`: one XNNPACK `.pte` program for ExecuTorch's runtime, captured from hf_tfm's code (`executorch.py`).
 
-A config a runtime does not compute exactly is refused with a `ValueError` naming every blocking knob.
+A config a runtime does not compute exactly is refused with a `ValueError` naming every blocking knob. Each format is
+one `ExportFormat` record in `FORMATS` (`registry.py`), which `export`, `verify`, `hf-tfm info` and the CLI ask; the
+runtime's side of each verification is a program of `hf_tfm.programs`, run in a process of its own.
 `verify(exported, model_or_folder)` runs an export in its runtime, in a fresh process, and compares greedy tokens and
 logits with the model. `hf_tfm.export` is `export`.
 """
 
 import os
-from importlib import import_module
 from pathlib import Path
 from typing import Any
 
+# Each format's module registers its `ExportFormat` on import; this order is `FORMATS`' (and `format_of`'s) order.
+# isort: off
+from . import gguf, onnx, ctranslate2, executorch  # noqa: F401
+
+# isort: on
 from .gguf import TYPES as GGUF_TYPES
 from .gguf import gguf_architecture, gguf_architecture_blockers, gguf_blockers
-
-# format -> the module that writes it; each has `export_<format>`, `verify_<format>`, `<format>_blockers` and `TYPES`
-# (its --quantize values; None is float32).
-FORMATS = {"gguf": "gguf", "onnx": "onnx", "ctranslate2": "ctranslate2", "executorch": "executorch"}
-
-
-def _module(format: str):
-    if format not in FORMATS:
-        raise ValueError(f"format={format!r}: hf_tfm exports {list(FORMATS)}.")
-    return import_module(f".{FORMATS[format]}", __name__)
+from .registry import FORMATS, ExportFormat, get_format
 
 
 def quantize_types(format: str) -> list[str]:
-    """The `quantize` values `format` takes (None, float32, is always accepted)."""
-    return list(_module(format).TYPES)
+    """The `quantize` values `format` takes (None, its first, is always accepted)."""
+    return list(get_format(format).quantize)
 
 
 def blockers(config: Any, format: str) -> list[str]:
     """Empty when `format` takes `config` exactly; else every knob that keeps it out (each message names the
     runtime)."""
-    return getattr(_module(format), f"{format}_blockers")(config)
+    return get_format(format).blockers(config)
 
 
 def export(
@@ -58,34 +55,25 @@ def export(
     renamed at the end, so a failed export leaves nothing.
     The runtime's writer is an optional dependency: `pip install "hf-tfm[export]"` (`"hf-tfm[executorch]"`).
     """
-    return getattr(_module(format), f"export_{format}")(model_or_folder, out, quantize=quantize, tokenizer=tokenizer)
+    return get_format(format).export(model_or_folder, out, quantize=quantize, tokenizer=tokenizer)
 
 
 def output_path(out: str | os.PathLike, format: str = "gguf", quantize: str | None = None) -> Path:
     """Where an export to `out` is written: for gguf `out`, or `out/model-<type>.gguf` when `out` is a folder; for
     the other formats the folder `out`."""
-    if format == "gguf":
-        from .gguf import output_path as gguf_path
-
-        return gguf_path(out, quantize)
-    _module(format)  # an unknown format fails here
-    return Path(out)
+    return get_format(format).output_path(out, quantize)
 
 
 def format_of(exported: str | os.PathLike) -> str:
     """The format of an export on disk: a .gguf file, or a folder of .onnx graphs, of CTranslate2 or of ExecuTorch."""
     path = Path(exported)
-    if path.suffix == ".gguf":
-        return "gguf"
-    if path.is_dir() and any(path.glob("*.onnx")):
-        return "onnx"
-    if (path / "model.bin").is_file():
-        return "ctranslate2"
-    if (path / "model.pte").is_file():
-        return "executorch"
-    raise ValueError(
-        f"{path}: not an hf_tfm export (a .gguf file, or a folder of .onnx graphs, of CTranslate2 or of ExecuTorch)."
-    )
+    found = next((name for name, export_format in FORMATS.items() if export_format.recognizes(path)), None)
+    if found is None:
+        raise ValueError(
+            f"{path}: not an hf_tfm export (a .gguf file, or a folder of .onnx graphs, of CTranslate2 or of "
+            "ExecuTorch)."
+        )
+    return found
 
 
 def verify(
@@ -101,15 +89,14 @@ def verify(
     `prompts` are token ids, or texts for the folder's tokenizer; None: two texts of different lengths. Returns at
     least `tokens_equal`, `agreement` (the share of generated positions with equal tokens) and `max_logit_diff`.
     """
-    format = format_of(exported)
-    check = getattr(_module(format), f"verify_{format}")
     options = {"prompts": prompts, "max_new_tokens": max_new_tokens, "fresh_process": fresh_process}
-    return check(exported, model_or_folder, **options)
+    return FORMATS[format_of(exported)].verify(exported, model_or_folder, **options)
 
 
 __all__ = [
     "FORMATS",
     "GGUF_TYPES",
+    "ExportFormat",
     "blockers",
     "export",
     "format_of",

@@ -1,18 +1,13 @@
-"""What the runtime exporters share: a folder written beside its destination, the tokenizer's files, the verifying
-prompts, hf_tfm's greedy references, the runtime's side of a verification (in a fresh process) and the greedy-token
-comparison."""
+"""What the runtime exporters share: the tokenizer's files, the verifying prompts, hf_tfm's greedy references, the
+greedy-token and logit comparisons, and the in-tree route a refusal names. The runtime's side of a verification is a
+program of `hf_tfm.programs`, run in a process of its own."""
 
-import json
 import os
-import pickle
 import shutil
-import subprocess
-import sys
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from ..configuration import TfmConfig, TfmSeq2SeqConfig
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -37,27 +32,6 @@ ENCODER_CLASSES = (
 )
 # Two texts of different lengths: `verify`'s prompts when none are given
 DEFAULT_PROMPTS = ("def main():\n    ", 'import os\nimport sys\n\n\nclass Config:\n    """Return the')
-
-
-@contextmanager
-def staged_folder(out: Path) -> Iterator[Path]:
-    """A temporary folder beside `out` to write an export into. When the block ends it replaces `out` (an earlier
-    export is moved out of the way first and deleted once the new one is in); when it raises, it is deleted and `out`
-    is untouched: a failed export leaves nothing."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    try:
-        yield tmp
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            os.replace(out, old / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def copy_tokenizer(source: str | None, tokenizer: Any, folder: Path) -> None:
@@ -130,65 +104,21 @@ def new_tokens(references: list[list[int]], prompts: list[list[int]], seq2seq: b
     return [ref[1 if seq2seq else len(prompt) :] for ref, prompt in zip(references, prompts, strict=True)]
 
 
-def run_side(
-    source: str,
-    args: dict[str, Any],
-    fresh_process: bool,
-    runtime: str,
-    blocked: tuple[str, ...] = (),
-    env: dict[str, str] | None = None,
-    python: str | None = None,
-) -> Any:
-    """`run(args)` of the program `source`: the runtime's side of a verification.
+def other_routes(config: TfmConfig | TfmSeq2SeqConfig, then: str, runtimes: str, otherwise: str) -> str:
+    """The sentence a runtime's refusal ends with: the first in-tree family `hf_tfm.to_hf` exports the config to
+    exactly (`then`: what runs that family next) and the `runtimes` that take it too, or `otherwise` when no family
+    does."""
+    from ..convert import export_blockers  # the in-tree families: the one thing exporters read of the converter
 
-    In a fresh interpreter by default, where each module in `blocked` cannot be imported (what runs is what a
-    deployment without it runs) and no OpenMP runtime but the runtime's own is loaded (two in one process slow each
-    other down); `args` go in as JSON on stdin, the result comes back pickled (lists, or tensors where the side has
-    torch). `python` is that interpreter (default: this one's). `fresh_process=False` runs it here. A failing side
-    raises `RuntimeError` naming `runtime` and its error.
-    """
-    if not fresh_process:
-        namespace: dict = {}
-        exec(source, namespace)
-        return namespace["run"](args)
-    with tempfile.TemporaryDirectory(prefix="hf_tfm_verify_") as tmp:
-        result_file = Path(tmp) / "result.pkl"
-        block = "".join(f"sys.modules[{name!r}] = None\n" for name in blocked)
-        code = (
-            f"import sys\n{block}{source}\nimport json as _json, pickle as _pickle\n"
-            f"with open({str(result_file)!r}, 'wb') as _file:\n"
-            "    _pickle.dump(run(_json.loads(sys.stdin.read())), _file)\n"
-        )
-        done = subprocess.run(
-            [python or sys.executable, "-c", code],
-            input=json.dumps(args),
-            capture_output=True,
-            text=True,
-            env=None if env is None else {**os.environ, **env},
-            check=False,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{runtime} failed on {args['path']}: {done.stderr.strip()[-2000:]}")
-        with result_file.open("rb") as file:
-            return pickle.load(file)  # written just now by our own child process
-
-
-def run_program(program: Path, args: dict[str, Any], runtime: str, python: str | None = None) -> Any:
-    """Run a runtime-side program file by path in a process of its own (`python`: default this one's interpreter):
-    `args` go in as JSON on stdin, the program writes its JSON result to the file named by its one argument. A failing
-    program raises `RuntimeError` naming `runtime` and its error."""
-    with tempfile.TemporaryDirectory(prefix="hf_tfm_verify_") as tmp:
-        result_file = Path(tmp) / "result.json"
-        done = subprocess.run(
-            [python or sys.executable, str(program), str(result_file)],
-            input=json.dumps(args),
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if done.returncode != 0 or not result_file.is_file():
-            raise RuntimeError(f"{runtime} failed on {args['path']}: {done.stderr.strip()[-2000:]}")
-        return json.loads(result_file.read_text(encoding="utf-8"))
+    head = "seq2seq_lm" if isinstance(config, TfmSeq2SeqConfig) else "causal_lm" if config.is_causal else "base"
+    try:
+        found = export_blockers(config, head)
+    except Exception:  # the converter's contract: a config it cannot judge has no route to report
+        return otherwise
+    family = next((name for name, blockers in found.items() if not blockers), None)
+    if family is None:
+        return otherwise
+    return f"Exact routes that take it: `hf_tfm.to_hf` / `hf-tfm convert` to in-tree {family} ({then}), or {runtimes}."
 
 
 def forced_agreement(ours: list, theirs: list, prompts: list[list[int]], seq2seq: bool, max_new_tokens: int) -> float:

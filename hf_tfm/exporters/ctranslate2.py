@@ -58,20 +58,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checkpoint import staged_folder
+from ..checks import need, need_dense, need_full_attention, need_rope
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
-from ..convert.core import export_blockers, need
+from ..programs import run_program
 from ._common import (
     TOKENIZER_FILES,
     agreement_report,
     encoder_max_diff,
     eos_ids,
     greedy_references,
+    other_routes,
     prompt_ids,
-    run_side,
-    staged_folder,
 )
+from .registry import ExportFormat, register
 
 RUNTIME = "CTranslate2"
+SIDE = "ctranslate2_side"  # verification's side (hf_tfm.programs): neither torch nor hf_tfm
 # --quantize value -> what CTranslate2's own quantization (`Converter.convert`) does with the weights. Norms, biases
 # and position tables stay float32 except in float16 / bfloat16 folders. A CPU without float16 / bfloat16 kernels runs
 # those folders as float32 (converted at load); `verify_ctranslate2` reports the type that ran.
@@ -121,13 +124,13 @@ def _import_ctranslate2():
 
 def _stack_blockers(config: TfmConfig, out: list[str], family: str) -> None:
     """What neither CTranslate2 stack (encoder or decoder) computes."""
-    need(config, out, family, "num_experts", None, "None (no mixture-of-experts layers)")
+    need_dense(config, out, family)
     need(config, out, family, "first_layer_attn_norm", True, "True (it adds a residual only through the norm)")
     window = (
         "only 'full_attention' (its sliding window prefills a prompt longer than the window in chunks that see "
         "more than the window)"
     )
-    need(config, out, family, "layer_types", lambda v: set(v) == {"full_attention"}, window)
+    need_full_attention(config, out, family, window)
     acts = list(ACTIVATIONS)
     need(config, out, family, "hidden_act", lambda v: v in ACTIVATIONS, f"one of {acts}")
     if config.qk_norm:
@@ -136,13 +139,7 @@ def _stack_blockers(config: TfmConfig, out: list[str], family: str) -> None:
         why = "1.0 to fold the token-type row into the token table (no position table to hold it)"
         need(config, out, family, "embedding_scale", 1.0, why)
     if config.position_embedding_type == "rope":
-        need(config, out, family, "rope_parameters", lambda v: not config.rope_per_layer_type, "one flat RoPE dict")
-        if not config.rope_per_layer_type:
-            params = config.rope_parameters
-            kinds = list(ROPE_TYPES)
-            need(config, out, family, "rope_parameters", lambda v: v["rope_type"] in kinds, f"rope_type in {kinds}")
-            partial = params.get("partial_rotary_factor", 1.0)
-            need(config, out, family, "rope_parameters", lambda v: partial == 1.0, "RoPE on every dimension")
+        need_rope(config, out, family, ROPE_TYPES)
 
 
 def _encoder_blockers(config: TfmConfig, out: list[str]) -> None:
@@ -187,10 +184,47 @@ def ctranslate2_blockers(config: TfmConfig | TfmSeq2SeqConfig) -> list[str]:
     return out
 
 
+# What a refusal names besides: after an in-tree family, its next step and the other runtimes; else the runtimes
+ROUTES = (
+    "then CTranslate2's own transformers converter, where it has that family",
+    "ONNX through transformers.exporters",
+    "ONNX through transformers.exporters traces hf_tfm's own code (every knob).",
+)
+# The classes it takes -> what runs them; a TfmMoeModel folder is the backbone with experts, a TfmModel
+RUNNERS = {"TfmForCausalLM": "a Generator", "TfmForConditionalGeneration": "a Translator", "TfmModel": "an Encoder"}
+# The classes whose config must be an encoder's (is_causal=False) -> True, a decoder's -> False
+KINDS = {"TfmForCausalLM": False, "TfmModel": True, "TfmMoeModel": True}
+
+
+def _class_refusal(architecture: str) -> str | None:
+    if architecture in (*RUNNERS, "TfmMoeModel"):
+        return None
+    return f"{RUNTIME} export takes {', '.join(RUNNERS)} models, not {architecture}"
+
+
+def _wrong_kind(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> bool:
+    """Whether the config's kind of stack (decoder or encoder) is not the one this class is exported as."""
+    if isinstance(config, TfmSeq2SeqConfig) or architecture not in KINDS:  # a Translator's pair: no kind to check
+        return False
+    return KINDS[architecture] != (not config.is_causal)
+
+
+def refusal(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> str | None:
+    """Why a model of this config and class is not exported to CTranslate2 (the class, else every blocking knob), or
+    None."""
+    if _wrong_kind(config, architecture):
+        return f"{RUNTIME} exports a {architecture} only with is_causal={not KINDS[architecture]}"
+    return _class_refusal(architecture) or "; ".join(ctranslate2_blockers(config)) or None
+
+
+def _summary(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> str:
+    return f"{RUNNERS.get(architecture, RUNNERS['TfmModel'])}, its spec built from the config"
+
+
 def _require_exact(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> None:
-    """A `ValueError` naming every blocking knob, the runtime and the routes that do take the config (`architecture`:
-    the model class, whose kind of stack the config must be)."""
-    if architecture in KINDS and KINDS[architecture] != (not config.is_causal):
+    """A `ValueError` naming the class that does not fit the config's kind of stack, or every blocking knob, the
+    runtime and the routes that do take the config."""
+    if _wrong_kind(config, architecture):
         kind = "an encoder (is_causal=False)" if KINDS[architecture] else "a decoder (is_causal=True)"
         raise ValueError(
             f"{RUNTIME} exports a {architecture} as {kind}; this config has is_causal={config.is_causal}."
@@ -199,23 +233,8 @@ def _require_exact(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> N
     if blockers:
         raise ValueError(
             f"{RUNTIME} does not compute this hf_tfm config exactly, blocked by: {'; '.join(blockers)}. "
-            f"{_other_routes(config)}"
+            f"{other_routes(config, *ROUTES)}"
         )
-
-
-def _other_routes(config: TfmConfig | TfmSeq2SeqConfig) -> str:
-    try:
-        head = "seq2seq_lm" if isinstance(config, TfmSeq2SeqConfig) else "causal_lm" if config.is_causal else "base"
-        families = [name for name, found in export_blockers(config, head).items() if not found]
-    except Exception:  # the converter's contract: a config it cannot judge has no route to report
-        families = []
-    if families:
-        return (
-            f"Exact routes that take it: `hf_tfm.to_hf` / `hf-tfm convert` to in-tree {families[0]} (then "
-            "CTranslate2's own transformers converter, where it has that family), or ONNX through "
-            "transformers.exporters."
-        )
-    return "ONNX through transformers.exporters traces hf_tfm's own code (every knob)."
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -479,15 +498,9 @@ def _vocabulary(vocab: dict[str, int], config: TfmConfig, where: str) -> list[st
 # Export
 
 
-# The TfmConfig classes this runtime takes -> whether the config must be an encoder's (is_causal=False)
-KINDS = {"TfmForCausalLM": False, "TfmModel": True, "TfmMoeModel": True}
-
-
 def _load(model_or_folder: Any) -> tuple[torch.nn.Module, str | None]:
-    from ..modeling import TfmForCausalLM, TfmForConditionalGeneration, TfmModel
+    from .. import modeling
 
-    classes = {cls.__name__: cls for cls in (TfmForCausalLM, TfmForConditionalGeneration, TfmModel)}
-    classes["TfmMoeModel"] = TfmModel  # the backbone with experts, which TfmModel builds
     if isinstance(model_or_folder, (str, os.PathLike)):
         folder = Path(model_or_folder)
         saved = folder / "config.json"
@@ -496,13 +509,15 @@ def _load(model_or_folder: Any) -> tuple[torch.nn.Module, str | None]:
         config = (TfmSeq2SeqConfig if seq2seq else TfmConfig).from_pretrained(folder)
         default = "TfmForConditionalGeneration" if seq2seq else "TfmForCausalLM"
         architecture = (getattr(config, "architectures", None) or [default])[0]
-        if architecture not in classes:
-            raise ValueError(f"{folder}: {RUNTIME} export takes {', '.join(classes)} models, not {architecture}.")
+        refused = _class_refusal(architecture)
+        if refused:
+            raise ValueError(f"{folder}: {refused}.")
         _require_exact(config, architecture)  # refuse before loading any weight
-        return classes[architecture].from_pretrained(folder), str(folder)
-    if not isinstance(model_or_folder, tuple(classes.values())):
-        name = type(model_or_folder).__name__
-        raise ValueError(f"{RUNTIME} export takes {', '.join(classes)} models, not {name}.")
+        loads = "TfmModel" if architecture == "TfmMoeModel" else architecture
+        return getattr(modeling, loads).from_pretrained(folder), str(folder)
+    takes = tuple(getattr(modeling, name) for name in RUNNERS)
+    if not isinstance(model_or_folder, takes):
+        raise ValueError(f"{_class_refusal(type(model_or_folder).__name__)}.")
     return model_or_folder, getattr(model_or_folder, "name_or_path", None) or None
 
 
@@ -569,71 +584,6 @@ def export_ctranslate2(
 # ---------------------------------------------------------------------------------------------------------------------
 # Verification in CTranslate2
 
-# Runs on the CTranslate2 side, in a fresh interpreter that imports neither torch nor hf_tfm (two OpenMP runtimes in
-# one process slow each other down), or in-process for tests: greedy tokens and the logits of the reference sequences.
-_CT2_SIDE = r"""
-import json
-import os
-
-import ctranslate2
-import numpy as np
-
-
-def vocabulary(path, side):
-    shared = os.path.join(path, "shared_vocabulary.json")
-    name = shared if os.path.exists(shared) else os.path.join(path, side + "_vocabulary.json")
-    with open(name, encoding="utf-8") as file:
-        return json.load(file)
-
-
-def run_encoder(args):
-    # each output of the Encoder on the prompts as one batch (CTranslate2 pads it): name -> (B, ...) lists
-    encoder = ctranslate2.Encoder(args["path"], device="cpu", compute_type="default", intra_threads=2)
-    prompts = args["prompts"]
-    types = [[0] * len(p) for p in prompts] if args["token_types"] else None
-    out = encoder.forward_batch(prompts, token_type_ids=types)
-    result = {"compute_type": encoder.compute_type, "last_hidden_state": np.asarray(out.last_hidden_state).tolist()}
-    if out.pooler_output is not None:
-        result["pooler_output"] = np.asarray(out.pooler_output).tolist()
-    return result
-
-
-def run(args):
-    if args.get("encoder"):
-        return run_encoder(args)
-    path, n = args["path"], args["max_new_tokens"]
-    # min_length = max_length = n: the end tokens are disabled until the n-th token, as min_new_tokens does
-    greedy = dict(beam_size=1, sampling_topk=1, end_token=args["end_ids"], return_end_token=True)
-    if not args["seq2seq"]:
-        generator = ctranslate2.Generator(path, device="cpu", compute_type="default", intra_threads=2)
-        with open(os.path.join(path, "vocabulary.json"), encoding="utf-8") as file:
-            tokens = json.load(file)
-        result = {"compute_type": generator.compute_type, "tokens": [], "logits": []}
-        for prompt, reference in zip(args["prompts"], args["references"]):
-            (out,) = generator.generate_batch(
-                [[tokens[i] for i in prompt]], max_length=n, min_length=n, include_prompt_in_result=False, **greedy
-            )
-            result["tokens"].append(out.sequences_ids[0])
-            result["logits"].append(np.asarray(generator.forward_batch([reference]))[0].tolist())
-        return result
-    translator = ctranslate2.Translator(path, device="cpu", compute_type="default", intra_threads=2)
-    source, target = vocabulary(path, "source"), vocabulary(path, "target")
-    ids = {token: i for i, token in enumerate(target)}
-    result = {"compute_type": translator.compute_type, "tokens": [], "logits": []}
-    for prompt, reference in zip(args["prompts"], args["references"]):
-        source_tokens = [[source[i] for i in prompt]]
-        (out,) = translator.translate_batch(source_tokens, max_decoding_length=n, min_decoding_length=n, **greedy)
-        result["tokens"].append([ids[token] for token in out.hypotheses[0]])
-        # The reference forced as the target prefix: the raw logits of every step (no end token disabled)
-        forced = [[target[i] for i in reference[1:]]]
-        (out,) = translator.translate_batch(
-            source_tokens, forced, max_decoding_length=len(reference) - 1, min_decoding_length=0,
-            return_logits_vocab=True, **greedy,
-        )
-        result["logits"].append([np.asarray(step).tolist() for step in out.logits[0]])
-    return result
-"""
-
 
 def verify_ctranslate2(
     exported: str | os.PathLike,
@@ -678,7 +628,7 @@ def verify_ctranslate2(
         "max_new_tokens": max_new_tokens,
         "end_ids": eos_ids(config),
     }
-    theirs = run_side(_CT2_SIDE, args, fresh_process, RUNTIME)
+    theirs = run_program(SIDE, args, RUNTIME, fresh_process=fresh_process)
     return {
         "compute_type": theirs["compute_type"],
         **agreement_report(ours, theirs, references, prompts, seq2seq, max_new_tokens),
@@ -690,10 +640,28 @@ def _verify_encoder(folder: Path, model: torch.nn.Module, prompts: list[list[int
     outputs compared on the prompt's own positions): `outputs`, `max_diff`, `prompts`, `compute_type`."""
     token_types = model.config.type_vocab_size > 0
     args = {"path": str(folder), "prompts": [list(map(int, p)) for p in prompts], "encoder": True}
-    theirs = run_side(_CT2_SIDE, {**args, "token_types": token_types}, fresh, RUNTIME)
+    theirs = run_program(SIDE, {**args, "token_types": token_types}, RUNTIME, fresh_process=fresh)
     compute_type = theirs.pop("compute_type")
     diff = encoder_max_diff(model, prompts, theirs, folder)
     return {"compute_type": compute_type, "outputs": sorted(theirs), "max_diff": diff, "prompts": len(prompts)}
 
 
-__all__ = ["ACTIVATIONS", "TYPES", "ctranslate2_blockers", "export_ctranslate2", "verify_ctranslate2"]
+FORMAT = register(
+    ExportFormat(
+        name="ctranslate2",
+        title="CTranslate2",
+        runtime=RUNTIME,
+        takes=(*RUNNERS, "TfmMoeModel"),
+        quantize=tuple(TYPES),
+        requires=("ctranslate2",),
+        blockers=ctranslate2_blockers,
+        refusal=refusal,
+        summary=_summary,
+        export=export_ctranslate2,
+        verify=verify_ctranslate2,
+        recognizes=lambda path: (path / "model.bin").is_file(),
+    )
+)
+
+
+__all__ = ["ACTIVATIONS", "FORMAT", "TYPES", "ctranslate2_blockers", "export_ctranslate2", "verify_ctranslate2"]

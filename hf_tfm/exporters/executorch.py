@@ -28,6 +28,7 @@ the data-dependent routing of the eager path does not export: E / k times the FF
 
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,7 +37,9 @@ from typing import Any
 
 import torch
 
+from ..checkpoint import staged_folder
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
+from ..programs import program_path, run_program
 from ._common import (
     ENCODER_CLASSES,
     agreement_report,
@@ -46,17 +49,20 @@ from ._common import (
     greedy_references,
     new_tokens,
     prompt_ids,
-    run_side,
-    staged_folder,
 )
+from .registry import ExportFormat, register
 
 RUNTIME = "ExecuTorch"
 # --quantize value -> what is stored (activations too): float32 only for now
 TYPES = {"float32": "float32 (XNNPACK)"}
 MANIFEST = "executorch_export.json"
 PROGRAM = "model.pte"
-RUNNER = "et_generate.py"  # written beside the program: `ExecutorchGenerator`, executorch's runtime and torch only
-ENCODER_RUNNER = "et_encode.py"  # an encoder's: `ExecutorchEncoder`
+# The runtime's side (hf_tfm.programs), written beside the .pte as its runner: `ExecutorchGenerator` for a causal LM,
+# `ExecutorchEncoder` for an encoder; executorch's runtime and torch only
+SIDE, RUNNER = "executorch_side", "et_generate.py"
+ENCODER_SIDE, ENCODER_RUNNER = "executorch_encoder_side", "et_encode.py"
+# Blocked where they run: what runs is what a deployment with executorch alone runs (its runtime imports torch itself)
+EXECUTORCH_ONLY = ("transformers", "hf_tfm")
 TAKES = ("TfmForCausalLM", *ENCODER_CLASSES)
 INSTALL_HINT = 'ExecuTorch export needs executorch: pip install "hf-tfm[executorch]" (or pip install executorch)'
 MAX_CACHE_LEN = 1024  # the cap on the program's KV cache (memory is allocated for all of it)
@@ -129,13 +135,30 @@ def _load(model_or_folder: Any) -> tuple[torch.nn.Module, str | None]:
     return model.eval(), getattr(model_or_folder, "name_or_path", None) or None
 
 
-def _check_class(architecture: str, config: TfmConfig, where: str = "") -> None:
+def _class_refusal(architecture: str, config: TfmConfig) -> str | None:
     if architecture not in TAKES:
-        raise ValueError(f"{where}ExecuTorch export takes {', '.join(TAKES)}, not {architecture}.")
+        return f"ExecuTorch export takes {', '.join(TAKES)}, not {architecture}"
     if architecture == "TfmForCausalLM" and not config.is_causal:
-        raise ValueError(
-            f"{where}a TfmForCausalLM with `is_causal=False` generates nothing: export its encoder class."
-        )
+        return "a TfmForCausalLM with `is_causal=False` generates nothing: export its encoder class"
+    return None
+
+
+def _check_class(architecture: str, config: TfmConfig, where: str = "") -> None:
+    refused = _class_refusal(architecture, config)
+    if refused:
+        raise ValueError(f"{where}{refused}.")
+
+
+def refusal(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> str | None:
+    """Why a model of this config and class is not exported to ExecuTorch (the blocking knobs, else the class), or
+    None."""
+    return "; ".join(executorch_blockers(config)) or _class_refusal(architecture, config)
+
+
+def _summary(config: TfmConfig, architecture: str) -> str:
+    if architecture == "TfmForCausalLM":
+        return f"one program, batch 1, a static cache of {max_cache_length(config)} positions"
+    return "one program: a padded batch's outputs, batch and length dynamic"
 
 
 class StaticCacheLM(torch.nn.Module):
@@ -323,7 +346,7 @@ def export_executorch(
                 "max_cache_len": max_cache_len,
                 "vocab_size": config.vocab_size,
             }
-            runner = (RUNNER, _ET_SIDE)
+            runner = (RUNNER, SIDE)
         else:
             program, names = _lower_encoder(model)
             fields = {
@@ -331,14 +354,15 @@ def export_executorch(
                 "outputs": names,  # float32, as the model returns them
                 "max_length": config.max_position_embeddings,
             }
-            runner = (ENCODER_RUNNER, _ET_ENCODER_SIDE)
+            runner = (ENCODER_RUNNER, ENCODER_SIDE)
         _write_program(program, tmp / PROGRAM)
         _write_folder(tmp, model, qtype, fields, runner, source, tokenizer)
     return out
 
 
 def _write_folder(tmp: Path, model: Any, qtype: str, fields: dict, runner: tuple, source: Any, tokenizer: Any) -> None:
-    """Beside the program: the config, the tokenizer's files, the manifest and the runner (file name, code)."""
+    """Beside the program: the config, the tokenizer's files, the manifest and the runner (its file name, and the
+    program of `hf_tfm.programs` it is)."""
     import executorch
 
     config = model.config
@@ -357,106 +381,8 @@ def _write_folder(tmp: Path, model: Any, qtype: str, fields: dict, runner: tuple
     config.save_pretrained(tmp)
     copy_tokenizer(source, tokenizer, tmp)
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    name, code = runner
-    (tmp / name).write_text(code.lstrip())
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Running an export: executorch's runtime and torch only (this block is also the verifying process's whole program).
-# executorch's Python runtime takes and returns torch tensors, so torch is needed; transformers and hf_tfm are not.
-
-_ET_SIDE = r'''
-import json
-from pathlib import Path
-
-import torch
-from executorch.runtime import Runtime
-
-
-class ExecutorchGenerator:
-    """Greedy decoding over an hf_tfm ExecuTorch export (model.pte), batch 1, with executorch's runtime alone.
-
-    The program's one method takes ids (1, T) and their positions (T,) and returns logits (1, T, V); its KV cache
-    lives inside it, filled up to the first position given, so each prompt starts again at position 0."""
-
-    def __init__(self, folder):
-        folder = Path(folder)
-        self.manifest = json.loads((folder / "executorch_export.json").read_text())
-        program = Runtime.get().load_program(folder / self.manifest["program"])
-        self.method = program.load_method(self.manifest["method"])
-        self.max_cache_len = self.manifest["max_cache_len"]
-
-    def forward(self, ids, start):
-        """Logits (T, V) of `ids` (a list) at positions start, start + 1, ..., the tokens before `start` cached."""
-        if start + len(ids) > self.max_cache_len:
-            raise ValueError(f"{start + len(ids)} positions: the export holds max_cache_len={self.max_cache_len}.")
-        inputs = [torch.tensor([ids], dtype=torch.long), torch.arange(start, start + len(ids), dtype=torch.long)]
-        # a copy: the output's memory is the program's, and the next call reuses it
-        return self.method.execute(inputs)[0][0].clone()
-
-    def generate(self, prompt, max_new_tokens, suppress=(), return_logits=False):
-        """Greedy continuation of `prompt` (ids), `max_new_tokens` long (`suppress`: ids never chosen, e.g. EOS);
-        with `return_logits`, also the logits (V,) each token was chosen from."""
-        logits = self.forward(list(prompt), 0)[-1]
-        tokens, steps = [], []
-        for i in range(max_new_tokens):
-            steps.append(logits)
-            step = logits.clone()
-            step[list(suppress)] = -float("inf")
-            tokens.append(int(step.argmax()))
-            if i + 1 < max_new_tokens:
-                logits = self.forward(tokens[-1:], len(prompt) + i)[-1]
-        return (tokens, steps) if return_logits else tokens
-
-
-def run(args):
-    generator = ExecutorchGenerator(args["path"])
-    tokens, steps = [], []
-    for prompt in args["prompts"]:
-        new, logits = generator.generate(prompt, args["max_new_tokens"], args["suppress"], return_logits=True)
-        tokens.append(new)
-        steps.append(torch.stack(logits))
-    logits = [generator.forward(reference, 0) for reference in args["references"]]
-    return {"tokens": tokens, "steps": steps, "logits": logits}
-'''
-
-
-_ET_ENCODER_SIDE = r'''
-import json
-from pathlib import Path
-
-import torch
-from executorch.runtime import Runtime
-
-
-class ExecutorchEncoder:
-    """An hf_tfm encoder's ExecuTorch export (model.pte) with executorch's runtime alone: `encoder(ids, mask)` on a
-    padded batch (lists of equal length; token_type_ids too when the manifest lists them) returns the outputs by
-    name."""
-
-    def __init__(self, folder):
-        folder = Path(folder)
-        self.manifest = json.loads((folder / "executorch_export.json").read_text())
-        program = Runtime.get().load_program(folder / self.manifest["program"])
-        self.method = program.load_method(self.manifest["method"])
-
-    def __call__(self, input_ids, attention_mask, token_type_ids=None):
-        inputs = [torch.tensor(input_ids, dtype=torch.long), torch.tensor(attention_mask, dtype=torch.long)]
-        if "token_type_ids" in self.manifest["inputs"]:
-            types = token_type_ids if token_type_ids is not None else [[0] * len(row) for row in input_ids]
-            inputs.append(torch.tensor(types, dtype=torch.long))
-        outputs = self.method.execute(inputs)
-        # copies: the outputs' memory is the program's, and the next call reuses it
-        return {name: value.clone() for name, value in zip(self.manifest["outputs"], outputs)}
-
-
-def run(args):
-    prompts, pad = args["prompts"], args["pad"]
-    width = max(map(len, prompts))
-    ids = [p + [pad] * (width - len(p)) for p in prompts]
-    mask = [[1] * len(p) + [0] * (width - len(p)) for p in prompts]
-    return {name: list(value) for name, value in ExecutorchEncoder(args["path"])(ids, mask).items()}
-'''
+    name, program = runner
+    shutil.copyfile(program_path(program), tmp / name)
 
 
 def verify_executorch(
@@ -479,7 +405,7 @@ def verify_executorch(
     if manifest["architecture"] != "TfmForCausalLM":  # an encoder: its outputs on the prompts as one padded batch
         pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         args = {"path": str(exported), "prompts": prompts, "pad": pad}
-        theirs = run_side(_ET_ENCODER_SIDE, args, fresh_process, RUNTIME, blocked=("transformers", "hf_tfm"))
+        theirs = run_program(ENCODER_SIDE, args, RUNTIME, fresh_process=fresh_process, blocked=EXECUTORCH_ONLY)
         return {
             "weights": manifest["weights"],
             "outputs": sorted(theirs),
@@ -503,9 +429,7 @@ def verify_executorch(
         "max_new_tokens": max_new_tokens,
         "suppress": eos_ids(model.config),
     }
-    # transformers and hf_tfm are blocked there: what runs is what a deployment with executorch alone runs (its
-    # runtime imports torch itself, so torch stays)
-    theirs = run_side(_ET_SIDE, args, fresh_process, RUNTIME, blocked=("transformers", "hf_tfm"))
+    theirs = run_program(SIDE, args, RUNTIME, fresh_process=fresh_process, blocked=EXECUTORCH_ONLY)
     report = agreement_report(ours, theirs, references, prompts, False, max_new_tokens)
     ref_tokens = new_tokens(references, prompts, seq2seq=False)
     diff = report["max_logit_diff"]
@@ -520,8 +444,27 @@ def verify_executorch(
     return {"weights": manifest["weights"], **report, "max_logit_diff": diff}
 
 
+FORMAT = register(
+    ExportFormat(
+        name="executorch",
+        title="ExecuTorch (XNNPACK)",
+        runtime=RUNTIME,
+        takes=TAKES,
+        quantize=tuple(TYPES),
+        requires=("executorch",),
+        blockers=executorch_blockers,
+        refusal=refusal,
+        summary=_summary,
+        export=export_executorch,
+        verify=verify_executorch,
+        recognizes=lambda path: (path / PROGRAM).is_file(),
+    )
+)
+
+
 __all__ = [
     "ENCODER_RUNNER",
+    "FORMAT",
     "INSTALL_HINT",
     "MANIFEST",
     "MAX_CACHE_LEN",

@@ -47,10 +47,12 @@ from typing import Any
 
 import torch
 
+from ..checks import need, need_default_head_dim, need_dense, need_full_attention, need_no_gqa, need_rope
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
-from ..convert.core import export_blockers, need
-from ._common import agreement_report, encoder_max_diff, eos_ids, greedy_references, prompt_ids, run_side
+from ..programs import run_program
+from ._common import agreement_report, encoder_max_diff, eos_ids, greedy_references, other_routes, prompt_ids
 from .gguf_vocab import Vocabulary, gguf_vocabulary, load_tokenizer, tokenizer_agreement, write_vocabulary
+from .registry import ExportFormat, register
 
 RUNTIME = "llama.cpp"
 ARCHITECTURES = (
@@ -94,6 +96,14 @@ ROPE_TYPES |= dict.fromkeys(("qwen2", "qwen3", "qwen2moe", "qwen3moe", "gptneox"
 # router sends tokens to other experts) and the position table.
 F32_WEIGHTS = ("ffn_gate_inp.weight", "position_embd.weight")
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # ggml's GELU is the tanh approximation
+NO_SLIDING = "only 'full_attention' (its graph has no sliding window)"
+# What a refusal names besides: after an in-tree family, its next step and the other runtimes; else the runtimes
+ROUTES = (
+    "then that family's own tools",
+    "ONNX / ExecuTorch through transformers.exporters (they trace hf_tfm's code)",
+    "No in-tree family takes it either (`hf-tfm convert` refuses it); ONNX / ExecuTorch through "
+    "transformers.exporters trace hf_tfm's own code.",
+)
 INSTALL_HINT = 'GGUF export needs the `gguf` package: pip install gguf (or pip install "hf-tfm[export]")'
 
 
@@ -117,7 +127,7 @@ def _common_blockers(config: TfmConfig, arch: str, out: list[str]) -> None:
     if arch in MOE or (arch == "llama" and config.num_experts is not None):  # llama + experts: Mixtral's block
         _moe_blockers(config, arch, out)
     else:
-        need(config, out, family, "num_experts", None, "None (no mixture-of-experts layers)")
+        need_dense(config, out, family)
     need(config, out, family, "norm_position", "pre")
     need(config, out, family, "final_norm", True)
     need(config, out, family, "first_layer_attn_norm", True)
@@ -138,8 +148,7 @@ def _common_blockers(config: TfmConfig, arch: str, out: list[str]) -> None:
     scaled = "1.0 with tied embeddings (the scale is folded into an untied model's token table)"
     need(config, out, family, "embedding_scale", lambda v: v == 1.0 or not config.tie_word_embeddings, scaled)
     need(config, out, family, "lm_head_bias", False)
-    sliding = "only 'full_attention' (its graph has no sliding window)"
-    need(config, out, family, "layer_types", lambda v: set(v) == {"full_attention"}, sliding)
+    need_full_attention(config, out, family, NO_SLIDING)
 
 
 def _moe_blockers(config: TfmConfig, arch: str, out: list[str]) -> None:
@@ -162,16 +171,8 @@ def _moe_blockers(config: TfmConfig, arch: str, out: list[str]) -> None:
 def _rope_blockers(config: TfmConfig, arch: str, out: list[str]) -> None:
     family = f"{RUNTIME} {arch}"
     need(config, out, family, "position_embedding_type", "rope")
-    if config.position_embedding_type != "rope":
-        return
-    need(config, out, family, "rope_parameters", lambda v: not config.rope_per_layer_type, "one flat RoPE dict")
-    if config.rope_per_layer_type:
-        return
-    params = config.rope_parameters
-    kinds = ROPE_TYPES[arch]
-    need(config, out, family, "rope_parameters", lambda v: v["rope_type"] in kinds, f"rope_type in {list(kinds)}")
-    partial = params.get("partial_rotary_factor", 1.0)
-    need(config, out, family, "rope_parameters", lambda v: partial == 1.0, "RoPE on every dimension")
+    if config.position_embedding_type == "rope":
+        need_rope(config, out, family, ROPE_TYPES[arch])
 
 
 def _llama_blockers(config: TfmConfig, arch: str) -> list[str]:
@@ -191,7 +192,7 @@ def _llama_blockers(config: TfmConfig, arch: str) -> list[str]:
         need(config, out, family, "attention_bias", False)
     else:
         need(config, out, family, "attention_bias", True, "True (q/k/v biases)")
-        need(config, out, family, "head_dim", config.hidden_size // config.num_attention_heads, "hidden/heads")
+        need_default_head_dim(config, out, family)
     return out
 
 
@@ -221,9 +222,8 @@ def _layernorm_blockers(config: TfmConfig, arch: str) -> list[str]:
         for knob in ("norm_bias", "mlp_bias", "attention_bias", "attention_out_bias"):
             need(config, out, family, knob, True)
     if arch in ("gpt2", "bloom"):
-        heads = "`num_attention_heads` (no GQA)"
-        need(config, out, family, "num_key_value_heads", config.num_attention_heads, heads)
-    need(config, out, family, "head_dim", config.hidden_size // config.num_attention_heads, "hidden/heads")
+        need_no_gqa(config, out, family)
+    need_default_head_dim(config, out, family)
     return out
 
 
@@ -233,7 +233,7 @@ def _bert_blockers(config: TfmConfig) -> list[str]:
     family = f"{RUNTIME} bert"
     need(config, out, family, "is_causal", False, "False (an encoder)")
     need(config, out, family, "add_cross_attention", False)
-    need(config, out, family, "num_experts", None, "None (no mixture-of-experts layers)")
+    need_dense(config, out, family)
     need(config, out, family, "position_embedding_type", "learned")
     need(config, out, family, "position_offset", 0)
     need(config, out, family, "embedding_norm", True, "True (its LayerNorm after the embeddings)")
@@ -246,9 +246,8 @@ def _bert_blockers(config: TfmConfig) -> list[str]:
     need(config, out, family, "ffn_type", "mlp")
     need(config, out, family, "hidden_act", lambda v: v in GELU_TANH, f"a tanh GELU, one of {list(GELU_TANH)}")
     need(config, out, family, "embedding_scale", 1.0, "1.0 (it scales no embeddings)")
-    need(config, out, family, "head_dim", config.hidden_size // config.num_attention_heads, "hidden/heads")
-    sliding = "only 'full_attention' (its graph has no sliding window)"
-    need(config, out, family, "layer_types", lambda v: set(v) == {"full_attention"}, sliding)
+    need_default_head_dim(config, out, family)
+    need_full_attention(config, out, family, NO_SLIDING)
     return out
 
 
@@ -293,30 +292,8 @@ def gguf_architecture(config: TfmConfig | TfmSeq2SeqConfig) -> str:
     others = "; ".join(f"{name}: {'; '.join(b)}" for name, b in ranked[1:])
     raise ValueError(
         f"No {RUNTIME} (GGUF) architecture computes this hf_tfm config exactly. Closest: {closest}, blocked by: "
-        f"{'; '.join(blockers)}. Also blocked: {others}. {_other_routes(config)}"
+        f"{'; '.join(blockers)}. Also blocked: {others}. {other_routes(config, *ROUTES)}"
     )
-
-
-def _other_routes(config: TfmConfig | TfmSeq2SeqConfig) -> str:
-    try:
-        families = [name for name, found in export_blockers(config, _head(config)).items() if not found]
-    except Exception:  # the converter's contract: a config it cannot judge has no route to report
-        families = []
-    if families:
-        return (
-            f"Exact routes that take it: `hf_tfm.to_hf` / `hf-tfm convert` to in-tree {families[0]} (then that "
-            "family's own tools), or ONNX / ExecuTorch through transformers.exporters (they trace hf_tfm's code)."
-        )
-    return (
-        "No in-tree family takes it either (`hf-tfm convert` refuses it); ONNX / ExecuTorch through "
-        "transformers.exporters trace hf_tfm's own code."
-    )
-
-
-def _head(config: TfmConfig | TfmSeq2SeqConfig) -> str:
-    if isinstance(config, TfmSeq2SeqConfig):
-        return "seq2seq_lm"
-    return "causal_lm" if config.is_causal else "base"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -461,22 +438,34 @@ def _add_tensor(writer, gguf, name: str, tensor: torch.Tensor, qtype: str) -> No
 
 
 TAKES = "causal LMs (TfmForCausalLM) and encoders for embeddings (TfmModel)"
+# The classes it takes -> the class that loads them (a TfmMoeModel folder is the backbone with experts: a TfmModel)
+CLASSES = {"TfmForCausalLM": "TfmForCausalLM", "TfmModel": "TfmModel", "TfmMoeModel": "TfmModel"}
+
+
+def _class_refusal(architecture: str) -> str | None:
+    return None if architecture in CLASSES else f"GGUF export takes {TAKES}, not {architecture}"
+
+
+def refusal(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> str | None:
+    """Why a model of this config and class is not written as GGUF (every blocking knob of every architecture), or
+    None when one architecture takes it."""
+    return _class_refusal(architecture) or "; ".join(gguf_blockers(config)) or None
 
 
 def _load(model_or_folder: Any) -> tuple[torch.nn.Module, str | None]:
-    from ..modeling import TfmForCausalLM, TfmModel
+    from .. import modeling
 
-    classes = {"TfmForCausalLM": TfmForCausalLM, "TfmModel": TfmModel, "TfmMoeModel": TfmModel}
     if isinstance(model_or_folder, (str, os.PathLike)):
         folder = Path(model_or_folder)
         config = TfmConfig.from_pretrained(folder)
         architecture = (getattr(config, "architectures", None) or ["TfmForCausalLM"])[0]
-        if architecture not in classes:
-            raise ValueError(f"{folder}: GGUF export takes {TAKES}, not {architecture}.")
+        refused = _class_refusal(architecture)
+        if refused:
+            raise ValueError(f"{folder}: {refused}.")
         gguf_architecture(config)  # refuse before loading any weight
-        return classes[architecture].from_pretrained(folder), str(folder)
-    if not isinstance(model_or_folder, tuple(classes.values())):
-        raise ValueError(f"GGUF export takes {TAKES}, not {type(model_or_folder).__name__}.")
+        return getattr(modeling, CLASSES[architecture]).from_pretrained(folder), str(folder)
+    if not isinstance(model_or_folder, (modeling.TfmForCausalLM, modeling.TfmModel)):
+        raise ValueError(f"{_class_refusal(type(model_or_folder).__name__)}.")
     return model_or_folder, getattr(model_or_folder, "name_or_path", None) or None
 
 
@@ -565,8 +554,8 @@ def export_gguf(
     try:
         _write(writer, gguf, config, arch, tensors, vocab, "f32" if python else qtype, name)
         if python:  # llama.cpp's quantizer rewrites the F32 file, in a process of its own
-            args = {"path": str(f32), "out": str(tmp), "ftype": LLAMA_CPP_QUANTIZED[qtype]}
-            run_side(_LLAMA_CPP_QUANTIZE, {**args, "threads": torch.get_num_threads()}, True, RUNTIME, python=python)
+            args = {"task": "quantize", "path": str(f32), "out": str(tmp), "ftype": LLAMA_CPP_QUANTIZED[qtype]}
+            run_program("llama_cpp_side", {**args, "threads": torch.get_num_threads()}, RUNTIME, python=python)
         os.replace(tmp, out)
     except BaseException:
         writer.close()
@@ -592,158 +581,8 @@ def llama_cpp_python() -> str | None:
     return sys.executable if importlib.util.find_spec("llama_cpp") is not None else None
 
 
-# llama.cpp's quantizer (K-quants: a type per tensor, as `llama-quantize` chooses), in a process without torch
-_LLAMA_CPP_QUANTIZE = r"""
-import ctypes
-
-import llama_cpp
-
-
-def run(args):
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, args["ftype"])
-    params.nthread = args["threads"]
-    status = llama_cpp.llama_model_quantize(args["path"].encode(), args["out"].encode(), ctypes.byref(params))
-    if status != 0:
-        raise RuntimeError(f"llama_model_quantize returned {status}")
-"""
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Verification: in llama.cpp, or through transformers' GGUF loader
-
-# Runs on the GGUF side, in a fresh interpreter that imports no hf_tfm (or in-process, for tests): the in-tree model
-# transformers builds from the file alone, its greedy tokens, and its logits on the reference sequences. llama files
-# with experts are Mixtral's block, which transformers' GGUF loader does not read: an in-tree Mixtral is built from the
-# file's keys and tensors (dequantized by the gguf package, q/k rows permuted back), as its loader does for Llama.
-_GGUF_SIDE = r"""
-import torch
-from transformers import AutoModelForCausalLM
-
-
-def mixtral(path, overrides):
-    import gguf
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    reader = gguf.GGUFReader(path)
-    key = lambda name: reader.fields["llama." + name].parts[-1][0].item()
-    tensors = {}
-    for t in reader.tensors:
-        data = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
-        tensors[t.name] = torch.from_numpy(data.copy()).float()
-    heads, kv_heads = key("attention.head_count"), key("attention.head_count_kv")
-
-    def unpermute(w, n):  # llama.cpp's adjacent pairs -> rotate-half rows, per head
-        return w.reshape(n, w.shape[0] // n // 2, 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
-
-    config = MixtralConfig(**{
-        "vocab_size": tensors["token_embd.weight"].shape[0], "hidden_size": key("embedding_length"),
-        "intermediate_size": key("feed_forward_length"), "num_hidden_layers": key("block_count"),
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": key("attention.key_length"),
-        "max_position_embeddings": key("context_length"), "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
-        "num_local_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
-        "rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base")},
-        "tie_word_embeddings": "output.weight" not in tensors, **overrides,
-    })
-    state = {
-        "model.embed_tokens.weight": tensors["token_embd.weight"], "model.norm.weight": tensors["output_norm.weight"],
-        "lm_head.weight": tensors.get("output.weight", tensors["token_embd.weight"]),
-    }
-    for i in range(config.num_hidden_layers):
-        blk, layer = f"blk.{i}.", f"model.layers.{i}."
-        state |= {
-            layer + "input_layernorm.weight": tensors[blk + "attn_norm.weight"],
-            layer + "post_attention_layernorm.weight": tensors[blk + "ffn_norm.weight"],
-            layer + "self_attn.q_proj.weight": unpermute(tensors[blk + "attn_q.weight"], heads),
-            layer + "self_attn.k_proj.weight": unpermute(tensors[blk + "attn_k.weight"], kv_heads),
-            layer + "self_attn.v_proj.weight": tensors[blk + "attn_v.weight"],
-            layer + "self_attn.o_proj.weight": tensors[blk + "attn_output.weight"],
-            layer + "mlp.gate.weight": tensors[blk + "ffn_gate_inp.weight"],
-            layer + "mlp.experts.gate_up_proj": torch.cat(
-                [tensors[blk + "ffn_gate_exps.weight"], tensors[blk + "ffn_up_exps.weight"]], dim=1
-            ),
-            layer + "mlp.experts.down_proj": tensors[blk + "ffn_down_exps.weight"],
-        }
-    model = MixtralForCausalLM(config)
-    model.load_state_dict(state, strict=True)
-    return model
-
-
-def run(args):
-    path = args["path"]
-    folder, name = path.rsplit("/", 1) if "/" in path else (".", path)
-    if args["mixtral"]:
-        model = mixtral(path, args["overrides"])
-    else:
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, **args["overrides"])
-    model.eval()
-    result = {"class": type(model).__name__, "tokens": [], "logits": []}
-    with torch.no_grad():
-        for prompt, reference in zip(args["prompts"], args["references"]):
-            ids = torch.tensor([prompt])
-            n = args["max_new_tokens"]
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                pad_token_id=args["pad_token_id"],
-            )
-            result["tokens"].append(out[0, len(prompt):].tolist())
-            result["logits"].append(model(torch.tensor([reference])).logits[0])
-    return result
-"""
-
-
-# Runs in llama.cpp (llama-cpp-python), always in a process of its own and without torch (llama.cpp loaded next to
-# torch segfaulted on this kind of machine), with an f32 KV cache (its default is f16): the logits of every position of
-# each reference sequence, and greedy decoding, the argmax of each step's logits with EOS suppressed as hf_tfm's.
-_LLAMA_CPP_SIDE = r"""
-import llama_cpp
-import numpy as np
-
-
-def run(args):
-    llm = llama_cpp.Llama(
-        args["path"], n_ctx=max(map(len, args["references"])) + 1, n_threads=args["threads"], logits_all=True,
-        type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, flash_attn=False, verbose=False,
-    )
-    result = {"class": f"llama.cpp (llama-cpp-python {llama_cpp.__version__})", "tokens": [], "logits": []}
-    for prompt, reference in zip(args["prompts"], args["references"]):
-        llm.reset()
-        llm.eval(reference)
-        result["logits"].append(np.array(llm.scores[: llm.n_tokens]))
-        llm.reset()
-        llm.eval(prompt)
-        tokens = []
-        while len(tokens) < args["max_new_tokens"]:
-            row = np.array(llm.scores[llm.n_tokens - 1])
-            row[args["suppress"]] = -np.inf
-            tokens.append(int(row.argmax()))
-            llm.eval(tokens[-1:])
-        result["tokens"].append(tokens)
-    return result
-"""
-
-
-# An encoder's side in llama.cpp: the hidden states of every token of each prompt (pooling none), one prompt a batch.
-_LLAMA_CPP_EMBED_SIDE = r"""
-import llama_cpp
-import numpy as np
-
-
-def run(args):
-    llm = llama_cpp.Llama(
-        args["path"], n_ctx=max(map(len, args["prompts"])), n_threads=args["threads"], embedding=True,
-        pooling_type=llama_cpp.LLAMA_POOLING_TYPE_NONE, verbose=False,
-    )
-    rows = []
-    for prompt in args["prompts"]:
-        llm._batch.reset()
-        llm._batch.add_sequence(prompt, 0, True)
-        llm._ctx.kv_cache_clear()
-        llm._ctx.decode(llm._batch)
-        values = llama_cpp.llama_get_embeddings(llm._ctx.ctx)[: len(prompt) * llm.n_embd()]
-        rows.append(np.array(values, dtype=np.float32).reshape(len(prompt), llm.n_embd()))
-    return {"last_hidden_state": rows}
-"""
 
 
 def verify_gguf(
@@ -798,9 +637,9 @@ def verify_gguf(
         "references": references,
         "max_new_tokens": max_new_tokens,
     }
-    if runtime == "llama.cpp":
-        args |= {"suppress": eos_ids(config), "threads": torch.get_num_threads()}
-        theirs = run_side(_LLAMA_CPP_SIDE, args, True, RUNTIME, python=python)
+    if runtime == "llama.cpp":  # always in a process of its own: llama.cpp next to torch segfaulted here
+        args |= {"task": "generate", "suppress": eos_ids(config), "threads": torch.get_num_threads()}
+        theirs = run_program("llama_cpp_side", args, RUNTIME, python=python)
     else:
         args |= {
             "pad_token_id": config.pad_token_id,
@@ -808,7 +647,8 @@ def verify_gguf(
             "mixtral": arch == "llama" and _number(reader, "llama.expert_count") is not None,
         }
         env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}  # a local file: no Hub
-        theirs = run_side(_GGUF_SIDE, args, fresh_process, "transformers' GGUF loader", env=env)
+        loader = "transformers' GGUF loader"
+        theirs = run_program("transformers_gguf_side", args, loader, fresh_process=fresh_process, env=env)
     return {
         "architecture": arch,
         "file_type": gguf.LlamaFileType(file_type).name,
@@ -835,8 +675,8 @@ def _tokenizer_check(path: Path, source: str | None, tokenizer: Any) -> dict[str
 def _verify_embeddings(path: Path, model: Any, prompts: list, arch: str, file_type: str, python: str) -> dict:
     """Each prompt's hidden states in llama.cpp (run by `python`) against the encoder's (`max_diff`), as the other
     runtimes' encoder checks report them."""
-    args = {"path": str(path), "prompts": [list(map(int, p)) for p in prompts], "threads": torch.get_num_threads()}
-    theirs = run_side(_LLAMA_CPP_EMBED_SIDE, args, True, RUNTIME, python=python)
+    args = {"task": "embed", "path": str(path), "prompts": [list(map(int, p)) for p in prompts]}
+    theirs = run_program("llama_cpp_side", {**args, "threads": torch.get_num_threads()}, RUNTIME, python=python)
     return {
         "architecture": arch,
         "file_type": file_type,
@@ -906,8 +746,29 @@ def _arch_of(reader) -> str:
     return _string(reader, "general.architecture")
 
 
+FORMAT = register(
+    ExportFormat(
+        name="gguf",
+        title="GGUF (llama.cpp)",
+        runtime=RUNTIME,
+        takes=tuple(CLASSES),
+        quantize=tuple(TYPES),
+        requires=("gguf",),
+        blockers=gguf_blockers,
+        refusal=refusal,
+        summary=lambda config, architecture: f"architecture {gguf_architecture(config)}",
+        export=export_gguf,
+        verify=verify_gguf,
+        recognizes=lambda path: path.suffix == ".gguf",
+        output_path=output_path,
+        notes=dict.fromkeys(LLAMA_CPP_QUANTIZED, "needs llama.cpp"),
+    )
+)
+
+
 __all__ = [
     "ARCHITECTURES",
+    "FORMAT",
     "LLAMA_CPP_QUANTIZED",
     "TRANSFORMERS_READS",
     "TYPES",

@@ -30,6 +30,8 @@ from typing import Any
 
 from transformers.utils import logging
 
+from ..programs import run_program
+
 logger = logging.get_logger(__name__)
 
 RUNTIME = "llama.cpp"
@@ -546,10 +548,8 @@ def tokenizer_agreement(
     `tokenizer_differs` (those that differ), the texts' count and length, and `detokenized_agreement` (the share
     whose plain ids llama.cpp turns back into the text; llama.cpp tidies spaces before punctuation for some
     pre-tokenizers, and a bert vocabulary's text comes back normalized)."""
-    from ._common import run_program
-
-    args = {"path": str(path), "texts": list(texts)}
-    theirs = run_program(Path(__file__).with_name("llama_cpp_tokenize.py"), args, RUNTIME, python=python)
+    args = {"task": "tokenize", "path": str(path), "texts": list(texts)}
+    theirs = run_program("llama_cpp_side", args, RUNTIME, python=python)
     differs = [text for text, ids in zip(texts, theirs["ids"], strict=True) if tokenizer(text)["input_ids"] != ids]
     back = sum(text == detokenized for text, detokenized in zip(texts, theirs["detokenized"], strict=True))
     return {

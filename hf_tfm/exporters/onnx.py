@@ -22,12 +22,15 @@ and keeps float32 activations.
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..checkpoint import staged_folder
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
+from ..programs import program_path, run_program
 from ._common import (
     ENCODER_CLASSES,
     agreement_report,
@@ -36,15 +39,15 @@ from ._common import (
     eos_ids,
     greedy_references,
     prompt_ids,
-    run_side,
-    staged_folder,
 )
+from .registry import ExportFormat, register
 
 RUNTIME = "ONNX Runtime"
 # --quantize value -> what is stored for MatMul weights
 TYPES = {"float32": "float32", "int8": "int8 per output channel (dynamic quantization)", "int4": "int4, blocks of 32"}
 MANIFEST = "onnx_export.json"
-RUNNER = "ort_generate.py"  # written beside a causal LM's graphs: `OnnxGenerator`, onnxruntime and numpy only
+SIDE = "onnxruntime_side"  # `OnnxGenerator` and verification's side (hf_tfm.programs): onnxruntime and numpy only
+RUNNER = "ort_generate.py"  # that program, written beside the graphs of a model that generates
 INSTALL_HINT = 'ONNX export needs onnx, onnxscript and onnxruntime: pip install "hf-tfm[export]"'
 GENERATORS = ("TfmForCausalLM", "TfmForConditionalGeneration")  # exported as graphs that decode with a KV cache
 TAKES = ("TfmForCausalLM", "TfmForConditionalGeneration", "the encoder heads")
@@ -92,6 +95,22 @@ def _traces_sliding_layers() -> bool:
 # Export
 
 
+def _class_refusal(architecture: str) -> str | None:
+    if architecture in (*GENERATORS, *ENCODER_CLASSES):
+        return None
+    return f"ONNX export takes {', '.join(TAKES)}, not {architecture}"
+
+
+def refusal(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> str | None:
+    """Why a model of this config and class is not exported to ONNX (the blocking knobs, else the class), or None."""
+    return "; ".join(onnx_blockers(config)) or _class_refusal(architecture)
+
+
+def _summary(config: TfmConfig | TfmSeq2SeqConfig, architecture: str) -> str:
+    graphs = {"TfmForCausalLM": "prefill + decode graphs", "TfmForConditionalGeneration": "encoder + prefill + decode"}
+    return f"{graphs.get(architecture, 'one graph')}, traced from hf_tfm's code"
+
+
 def _load(model_or_folder: Any) -> tuple[torch.nn.Module, str | None]:
     from transformers import AutoConfig
 
@@ -100,21 +119,15 @@ def _load(model_or_folder: Any) -> tuple[torch.nn.Module, str | None]:
     if isinstance(model_or_folder, (str, os.PathLike)):
         folder = Path(model_or_folder)
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False)  # exports installed classes only
-        blocked = onnx_blockers(config)
-        if blocked:
-            raise ValueError(f"{folder}: {'; '.join(blocked)}.")
         default = "TfmForConditionalGeneration" if isinstance(config, TfmSeq2SeqConfig) else "TfmForCausalLM"
         architecture = (getattr(config, "architectures", None) or [default])[0]
-        model_class = getattr(modeling, architecture, None)
-        if model_class is None or architecture not in (*GENERATORS, *ENCODER_CLASSES):
-            raise ValueError(f"{folder}: ONNX export takes {', '.join(TAKES)}, not {architecture}.")
-        return model_class.from_pretrained(folder).eval(), str(folder)
-    name = type(model_or_folder).__name__
-    if name not in (*GENERATORS, *ENCODER_CLASSES):
-        raise ValueError(f"ONNX export takes {', '.join(TAKES)}, not {name}.")
-    blocked = onnx_blockers(model_or_folder.config)
-    if blocked:
-        raise ValueError("; ".join(blocked) + ".")
+        refused = refusal(config, architecture)
+        if refused:
+            raise ValueError(f"{folder}: {refused}.")
+        return getattr(modeling, architecture).from_pretrained(folder).eval(), str(folder)
+    refused = _class_refusal(type(model_or_folder).__name__) or "; ".join(onnx_blockers(model_or_folder.config))
+    if refused:
+        raise ValueError(f"{refused}.")
     return model_or_folder.eval(), getattr(model_or_folder, "name_or_path", None) or None
 
 
@@ -258,128 +271,13 @@ def export_onnx(
         copy_tokenizer(source, tokenizer, tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         if generation:
-            (tmp / RUNNER).write_text(_ORT_SIDE.lstrip())
+            shutil.copyfile(program_path(SIDE), tmp / RUNNER)
     return out
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Running an export: onnxruntime and numpy only (this block is also the verifying process's whole program)
-
-_ORT_SIDE = r'''
-import json
-from pathlib import Path
-
-import numpy as np
-import onnxruntime
-
-
-class OnnxGenerator:
-    """Greedy decoding over an hf_tfm ONNX export, with onnxruntime and numpy alone: a causal LM's prefill.onnx and
-    decode.onnx, or an encoder-decoder's encoder.onnx, prefill.onnx and decode.onnx."""
-
-    def __init__(self, folder, threads=None):
-        folder = Path(folder)
-        self.manifest = json.loads((folder / "onnx_export.json").read_text())
-        options = onnxruntime.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        self.sessions = {
-            name: onnxruntime.InferenceSession(str(folder / part["file"]), options, providers=["CPUExecutionProvider"])
-            for name, part in self.manifest["components"].items()
-        }
-        self.seq2seq = "encoder" in self.sessions
-
-    def _feed(self, name, values, cache=()):
-        """Run one graph on `values` (by input name) and the cache; its logits and the new cache, layer by layer."""
-        part = self.manifest["components"][name]
-        constants = part.get("constants", {})  # what an empty cache holds (a sliding layer's window)
-        cached = [n for n in part["inputs"] if n not in values and n not in constants]
-        feed = {n: values[n] for n in part["inputs"] if n in values}
-        feed.update({n: np.array(v, dtype=np.int64) for n, v in constants.items()})
-        feed.update(zip(cached, cache, strict=True))
-        outputs = dict(zip(part["outputs"], self.sessions[name].run(None, feed), strict=True))
-        return outputs["logits"], [x for n, x in outputs.items() if ".layers." in n]
-
-    def _batch(self, prompts, left):
-        pad = self.manifest["pad_token_id"] or 0
-        length = max(len(p) for p in prompts)
-        fill = [[pad] * (length - len(p)) for p in prompts]
-        ids = [f + list(p) if left else list(p) + f for f, p in zip(fill, prompts)]
-        mask = [[0] * len(f) + [1] * len(p) if left else [1] * len(p) + [0] * len(f) for f, p in zip(fill, prompts)]
-        return np.array(ids, dtype=np.int64), np.array(mask, dtype=np.int64)
-
-    def prefill(self, prompts, decoder=None):
-        """`prompts` (lists of ids) as one padded batch: the logits (B, T, V), the cache and the state decoding needs.
-        An encoder-decoder encodes them and reads `decoder` (the start token when None)."""
-        if self.seq2seq:
-            ids, mask = self._batch(prompts, left=False)
-            (hidden,) = self.sessions["encoder"].run(None, {"input_ids": ids, "attention_mask": mask})
-            start = [[self.manifest["decoder_start_token_id"]]] * len(prompts)
-            state = {"attention_mask": mask, "encoder_outputs.last_hidden_state": hidden}
-            logits, cache = self._feed("prefill", {**state, "decoder_input_ids": np.array(decoder or start)}, ())
-            return logits, cache, state
-        ids, mask = self._batch(prompts, left=True)
-        positions = np.where(mask == 0, 1, mask.cumsum(-1) - 1)  # as generate() numbers them
-        logits, cache = self._feed("prefill", {"input_ids": ids, "attention_mask": mask, "position_ids": positions})
-        return logits, cache, {"attention_mask": mask}
-
-    def generate(self, prompts, max_new_tokens, suppress=(), on_token=None):
-        """Greedy continuations of `prompts`, `max_new_tokens` each (`suppress`: ids never chosen, e.g. EOS);
-        `on_token(tokens)`, when given, receives each step's (B,) ids as they are chosen (streaming)."""
-        logits, cache, state = self.prefill(prompts)
-        new = []
-        for _ in range(max_new_tokens):
-            step = logits[:, -1].copy()
-            step[:, list(suppress)] = -np.inf
-            token = step.argmax(-1)[:, None].astype(np.int64)  # (B, 1)
-            new.append(token)
-            if on_token is not None:
-                on_token(token[:, 0].tolist())
-            if self.seq2seq:  # the encoder's states and mask stay; the decoder's positions come from its cache
-                values = {**state, "decoder_input_ids": token}
-            else:
-                mask = state["attention_mask"]
-                positions = mask.sum(-1, keepdims=True)  # the next position of each sequence, padding not counted
-                state = {"attention_mask": np.concatenate([mask, np.ones_like(token)], axis=1)}
-                values = {**state, "input_ids": token, "position_ids": positions}
-            logits, cache = self._feed("decode", values, cache)
-        return np.concatenate(new, axis=1).tolist()
-
-
-def run_encoder(args):
-    """The export's outputs on `prompts` as one right-padded batch: name -> (B, ...) nested lists."""
-    folder = Path(args["path"])
-    manifest = json.loads((folder / "onnx_export.json").read_text())
-    options = onnxruntime.SessionOptions()
-    if args.get("threads"):
-        options.intra_op_num_threads = args["threads"]
-    session = onnxruntime.InferenceSession(str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"])
-    prompts, pad = args["prompts"], manifest["pad_token_id"] or 0
-    length = max(len(p) for p in prompts)
-    ids = np.array([list(p) + [pad] * (length - len(p)) for p in prompts], dtype=np.int64)
-    mask = np.array([[1] * len(p) + [0] * (length - len(p)) for p in prompts], dtype=np.int64)
-    values = {"input_ids": ids, "attention_mask": mask}
-    outputs = session.run(None, {i.name: values[i.name] for i in session.get_inputs()})
-    return {o.name: x.tolist() for o, x in zip(session.get_outputs(), outputs, strict=True)}
-
-
-def run(args):
-    if args.get("encoder"):
-        return run_encoder(args)
-    generator = OnnxGenerator(args["path"], threads=args.get("threads"))
-    tokens = generator.generate(args["prompts"], args["max_new_tokens"], args["suppress"])
-    if generator.seq2seq:  # the reference decoder sequences after each source
-        pairs = zip(args["prompts"], args["references"], strict=True)
-        logits = [generator.prefill([prompt], decoder=[reference])[0][0] for prompt, reference in pairs]
-    else:
-        logits = [generator.prefill([reference])[0][0] for reference in args["references"]]
-    return {"tokens": tokens, "logits": [x.tolist() for x in logits]}
-'''
 
 
 def _ort_side(args: dict, fresh_process: bool) -> dict:
     # torch is blocked there: what runs is what a deployment without PyTorch runs
-    return run_side(_ORT_SIDE, args, fresh_process, RUNTIME, blocked=("torch",))
+    return run_program(SIDE, args, RUNTIME, fresh_process=fresh_process, blocked=("torch",))
 
 
 def verify_onnx(
@@ -440,4 +338,22 @@ def _verify_encoder(exported: Path, model: torch.nn.Module, prompts: list, manif
     }
 
 
-__all__ = ["ENCODER_CLASSES", "MANIFEST", "RUNNER", "TYPES", "export_onnx", "onnx_blockers", "verify_onnx"]
+FORMAT = register(
+    ExportFormat(
+        name="onnx",
+        title="ONNX (ONNX Runtime)",
+        runtime=RUNTIME,
+        takes=(*GENERATORS, *ENCODER_CLASSES),
+        quantize=tuple(TYPES),
+        requires=("onnx", "onnxscript", "onnxruntime"),
+        blockers=onnx_blockers,
+        refusal=refusal,
+        summary=_summary,
+        export=export_onnx,
+        verify=verify_onnx,
+        recognizes=lambda path: path.is_dir() and any(path.glob("*.onnx")),
+    )
+)
+
+
+__all__ = ["ENCODER_CLASSES", "FORMAT", "MANIFEST", "RUNNER", "TYPES", "export_onnx", "onnx_blockers", "verify_onnx"]

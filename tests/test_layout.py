@@ -1,0 +1,142 @@
+"""The package's imports run one way: every module sits in one layer of `LAYERS` (docs/development.md's map), and
+imports only modules of its own layer or of layers below it, without cycles.
+
+The package root (`hf_tfm/__init__.py`, the names users import and the Auto-class registration) is what modules
+import to have hf_tfm's classes registered; it is the one module any layer may name. `hf_tfm/programs/*.py` other
+than its `__init__` run by path in processes of their own and import nothing of hf_tfm (tests/test_programs.py).
+"""
+
+import ast
+from pathlib import Path
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "hf_tfm"
+
+# bottom to top: a module imports only modules of its own layer and the layers before it
+LAYERS = [
+    # what a saved folder carries as remote code, and what needs nothing of hf_tfm
+    {"configuration", "checkpoint", "distributed", "modeling"},
+    {"kernels", "quantization", "tokenization", "data", "training", "programs", "exporters.registry"},
+    # the model's routes out and the helpers built on it
+    {"checks", "presets", "aot", "from_torch", "inference"},
+    {"convert.core", "convert.fields", "convert.llama_like", "convert.bart", "convert.bert"},
+    {
+        "convert",
+        "convert.gpt2",
+        "convert.marian",
+        "convert.mixtral",
+        "convert.modernbert",
+        "convert.olmoe",
+        "convert.qwen2_moe",
+    },
+    {"exporters._common", "exporters.gguf_vocab"},
+    {"exporters.gguf", "exporters.onnx", "exporters.ctranslate2", "exporters.executorch", "exporters"},
+    # the steps behind the commands, then the commands, then the entry point
+    {"recipes", "calibration", "info"},
+    {"commands", "commands.common", "commands.training_options"},
+    {
+        "commands.calibrate",
+        "commands.classify",
+        "commands.convert",
+        "commands.demo",
+        "commands.export",
+        "commands.finetune",
+        "commands.generate",
+        "commands.info",
+        "commands.pretrain",
+        "commands.push",
+        "commands.seq2seq",
+        "commands.serve",
+    },
+    {"cli"},
+]
+LAYER = {module: i for i, layer in enumerate(LAYERS) for module in layer}
+
+
+def module_files() -> dict[str, Path]:
+    """name relative to the package (`convert.core`) -> its file, for every module but the root and the programs."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[0] == "programs" and parts[-1] != "__init__":
+            continue
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts:
+            found[".".join(parts)] = path
+    return found
+
+
+def imported(name: str, path: Path) -> set[str]:
+    """The hf_tfm modules `path` imports (`from .x import y` names module x, or x.y where that is a module)."""
+    modules = module_files()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.split(".") if package else []
+            base = base[: len(base) - (node.level - 1)]
+            stem = ".".join([*base, *([node.module] if node.module else [])])
+            targets = [stem, *(f"{stem}.{a.name}".strip(".") for a in node.names)]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "hf_tfm":
+            stem = node.module.removeprefix("hf_tfm").strip(".")
+            targets = [stem, *(f"{stem}.{a.name}".strip(".") for a in node.names)]
+        elif isinstance(node, ast.Import):
+            targets = [
+                a.name.removeprefix("hf_tfm").strip(".") for a in node.names if a.name.split(".")[0] == "hf_tfm"
+            ]
+        found |= {t for t in targets if t in modules and t != name}
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    return {name: imported(name, path) for name, path in module_files().items()}
+
+
+def test_every_module_has_a_layer():
+    missing = set(module_files()) - set(LAYER)
+    stale = set(LAYER) - set(module_files())
+    assert not missing, f"modules without a layer in LAYERS (place them, and in docs/development.md): {missing}"
+    assert not stale, f"LAYERS names modules that do not exist: {stale}"
+
+
+def test_imports_run_one_way():
+    upward = [
+        f"{name} (layer {LAYER[name]}) imports {target} (layer {LAYER[target]})"
+        for name, targets in graph().items()
+        for target in sorted(targets)
+        if LAYER[target] > LAYER[name]
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycles():
+    edges = graph()
+    state: dict[str, str] = {}
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = "open"
+        for target in sorted(edges[name]):
+            # a package's __init__ re-exporting its modules is not a cycle with them
+            if target.startswith(f"{name}."):
+                continue
+            if state.get(target) == "open":
+                raise AssertionError(" -> ".join([*trail, name, target]))
+            if target not in state:
+                visit(target, [*trail, name])
+        state[name] = "done"
+
+    for name in sorted(edges):
+        if name not in state:
+            visit(name, [])
+
+
+def test_the_import_finder_sees_imports():
+    """The oracle of the tests above: known imports are found (relative, absolute, from a package's __init__)."""
+    edges = graph()
+    assert {"configuration", "checkpoint", "distributed"} <= edges["modeling"]
+    assert "exporters.registry" in edges["exporters.gguf"] and "programs" in edges["exporters.gguf"]
+    assert "commands" in edges["cli"] and "checks" in edges["convert.bart"]
+    assert edges["configuration"] == set()
