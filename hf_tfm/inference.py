@@ -44,6 +44,8 @@ logger = logging.get_logger(__name__)
 # dequantize-then-GEMM up to 8 tokens (43 vs 101 ms). "float kernel": up to this many tokens a float32 layer takes
 # hf_tfm's native kernel instead of MKL (on the base shape's matrices: 8 tokens 22 vs 41 ms, 32 tokens 52 vs 67).
 STREAMING_TOKENS = {"float": 1, "int8": 8, "float kernel": 32}
+# oneDNN (torch's MKL-DNN) is built into torch's CPU wheels; its float32 product takes the prompts
+ONEDNN = torch.backends.mkldnn.is_available()
 
 
 def _streams(x: torch.Tensor, limit: int) -> bool:
@@ -56,7 +58,8 @@ class StreamingLinear(nn.Linear):
     """`nn.Linear` whose product for a few tokens reads the weights at the memory's streaming rate: compiled, a single
     token's `(x * W).sum(-1)`, which Inductor fuses; 2 to `STREAMING_TOKENS["float kernel"]` tokens (a batch
     decoding together, a short prompt), eagerly or compiled, hf_tfm's native kernel (`hf_tfm.kernels`: float32 on
-    a CPU with AVX-512) where it is built. More tokens (a prompt) take MKL's product, as `nn.Linear`.
+    a CPU with AVX-512) where it is built. More tokens (a prompt) take oneDNN's float32 product on a CPU (the same
+    sums in another order; twice MKL's speed on AMD processors, where MKL takes a slower path), else `nn.Linear`'s.
 
     The same parameters and state dict as `nn.Linear`: `from_linear` swaps the class of a plain one in place."""
 
@@ -75,9 +78,21 @@ class StreamingLinear(nn.Linear):
             y = (x.unsqueeze(-2) * self.weight).sum(-1)  # (..., 1, in) * (out, in) -> (..., out)
         elif self._takes_kernel(x):
             y = torch.ops.hf_tfm.float_linear(x, self.weight)
+        elif self._takes_onednn(x):
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         else:
             return F.linear(x, self.weight, self.bias)
         return y if self.bias is None else y + self.bias
+
+    def _takes_onednn(self, x: torch.Tensor) -> bool:
+        # Eager prompts only: oneDNN's op has no gradient, and a compiled graph keeps the product Inductor chooses
+        return (
+            ONEDNN
+            and x.dtype == self.weight.dtype == torch.float32
+            and x.device.type == "cpu"
+            and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+        )
 
     def _takes_kernel(self, x: torch.Tensor) -> bool:
         # The kernel has no gradient: a product that autograd records keeps F.linear

@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_tfm import load_for_inference
-from hf_tfm.inference import STREAMING_TOKENS, Int8StreamingLinear, StreamingLinear, decode_attention
+from hf_tfm.inference import ONEDNN, STREAMING_TOKENS, Int8StreamingLinear, StreamingLinear, decode_attention
 from hf_tfm.kernels import native_kernels_available, pack_int4, unpack_int4
 
 native = pytest.mark.skipif(not native_kernels_available(), reason="needs AVX-512 VNNI and a C++ compiler")
@@ -131,7 +131,7 @@ def test_float_kernel_refuses_what_it_cannot_compute():
 @pytest.mark.parametrize("bias", [False, True])
 def test_streaming_linear_calls_the_float_kernel_for_a_few_tokens(bias):
     """2 to STREAMING_TOKENS["float kernel"] tokens take the kernel, eagerly and compiled (one graph, the same
-    floats); one token compiled takes the streaming formula, more tokens, or a product autograd records, MKL's."""
+    floats); one token compiled takes the streaming formula; more tokens, or a product autograd records, another."""
     torch.manual_seed(0)
     reference = nn.Linear(48, 80, bias=bias)
     layer = StreamingLinear.from_linear(copy.deepcopy(reference))
@@ -151,6 +151,28 @@ def test_streaming_linear_calls_the_float_kernel_for_a_few_tokens(bias):
     with CalledOps() as called:
         layer(x).sum().backward()
     assert "hf_tfm.float_linear" not in called and x.grad is not None
+
+
+@pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN")
+@pytest.mark.parametrize("bias", [False, True])
+def test_streaming_linear_takes_onednn_for_a_prompt(bias):
+    """A prompt's product (more tokens than the kernel takes) is oneDNN's, eagerly and without gradient: nn.Linear's
+    floats within rounding, for strided inputs too; with autograd recording, nn.Linear's own, gradient included."""
+    torch.manual_seed(0)
+    reference = nn.Linear(48, 80, bias=bias)
+    layer = StreamingLinear.from_linear(copy.deepcopy(reference))
+    tokens = STREAMING_TOKENS["float kernel"] + 1
+    for x in (torch.randn(2, tokens, 48), torch.randn(tokens, 2, 48).transpose(0, 1)):
+        with torch.no_grad(), CalledOps() as called:
+            out = layer(x)
+        assert "mkldnn._linear_pointwise" in called, called
+        torch.testing.assert_close(out, reference(x).detach(), rtol=1e-5, atol=1e-5)
+    x = torch.randn(tokens, 48, requires_grad=True)
+    with CalledOps() as called:
+        layer(x).sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    reference(x_ref).sum().backward()
+    assert "mkldnn._linear_pointwise" not in called and torch.equal(x.grad, x_ref.grad)
 
 
 def test_int4_packing_round_trips():
