@@ -350,6 +350,11 @@ def decode_attention(
     decoding: 3.6 ms a step instead of 4.7). `attention_mask` is sdpa's (True where a query may attend: a prompt's
     results are sdpa's to the bit); `position_bias` (ALiBi) adds to the scores either way."""
     if query.shape[2] != 1 or query.device.type != "cpu":
+        prompt = query.shape[2] > 1 and query.device.type == "cpu" and attention_mask is not None
+        if prompt and not torch.compiler.is_compiling():
+            key, value, attention_mask, position_bias = _attended_keys(
+                query, key, value, attention_mask, position_bias
+            )
         return ALL_ATTENTION_FUNCTIONS["sdpa"](
             module,
             query,
@@ -374,6 +379,31 @@ def decode_attention(
     weights = F.dropout(weights, p=dropout, training=module.training)
     out = torch.matmul(weights, value).reshape(batch, heads, 1, dim)  # (B, H, 1, D)
     return out.transpose(1, 2).contiguous(), weights.reshape(batch, heads, 1, -1)  # (B, 1, H, D)
+
+
+def _attended_keys(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    position_bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A prompt's keys, values, mask and bias without the static cache's slots no query attends yet (a prompt of 128
+    tokens before 512 new ones would otherwise score all 640 slots); with no mask where the rest is plain causal
+    attention over the prompt alone, which sdpa's causal kernel computes without reading a mask. Eager prompts only:
+    the cut depends on the mask's values."""
+    if mask.dtype != torch.bool:
+        return key, value, mask, position_bias
+    attended = mask.any(dim=2).flatten(0, -2).any(dim=0)  # (S,): slots some query of some sequence attends
+    used = int(attended.nonzero().max()) + 1 if attended.any() else mask.shape[-1]
+    key, value, mask = key[:, :, :used], value[:, :, :used], mask[..., :used]
+    if position_bias is not None:
+        return key, value, mask, position_bias[..., :used]
+    queries = query.shape[2]
+    causal = torch.ones(queries, used, dtype=torch.bool, device=mask.device).tril(used - queries)
+    if used == queries and torch.equal(mask, causal.expand_as(mask)):
+        return key, value, None, None  # sdpa then takes is_causal from the module (True for a causal LM)
+    return key, value, mask, None
 
 
 ALL_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, decode_attention)

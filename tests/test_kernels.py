@@ -16,7 +16,14 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_tfm import load_for_inference
-from hf_tfm.inference import ONEDNN, STREAMING_TOKENS, Int8StreamingLinear, StreamingLinear, decode_attention
+from hf_tfm.inference import (
+    ONEDNN,
+    STREAMING_TOKENS,
+    Int8StreamingLinear,
+    StreamingLinear,
+    _attended_keys,
+    decode_attention,
+)
 from hf_tfm.kernels import native_kernels_available, pack_int4, unpack_int4
 
 native = pytest.mark.skipif(not native_kernels_available(), reason="needs AVX-512 VNNI and a C++ compiler")
@@ -242,6 +249,31 @@ def test_decode_attention_is_sdpa_for_one_query(kv_heads):
     out, weights = decode_attention(module, query, key, value, mask, **options)
     torch.testing.assert_close(out, expected)
     assert weights.shape == (2, 4, 1, 9) and (weights[0, ..., :3] == 0).all()
+
+
+@pytest.mark.parametrize("case", ["causal", "left-padded", "cached-prefix", "bias"])
+def test_decode_attention_leaves_out_the_static_cache_slots_a_prompt_does_not_attend(case):
+    """A prompt over a static cache (its empty slots masked): sdpa's result over every slot, from the slots some query
+    attends; for a plain causal prompt from sdpa's causal kernel, without the mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    module = nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    module.eval()
+    queries, slots, start = 5, 12, 3 if case == "cached-prefix" else 0  # the prompt fills slots start..start+4
+    query, key, value = torch.randn(2, 4, queries, 16), torch.randn(2, 2, slots, 16), torch.randn(2, 2, slots, 16)
+    mask = torch.ones(queries, slots, dtype=torch.bool).tril(start)[None, None].repeat(2, 1, 1, 1)  # (B, 1, q, S)
+    if case == "left-padded":
+        mask[1, ..., :2] = False
+    options = {"scaling": 0.25, "position_bias": -torch.rand(2, 4, queries, slots) if case == "bias" else None}
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, **options)
+    with CalledOps() as called:
+        out, _ = decode_attention(module, query, key, value, mask, **options)
+    torch.testing.assert_close(out, expected)
+    kept = _attended_keys(query, key, value, mask, options["position_bias"])
+    assert kept[0].shape[2] == start + queries and (kept[2] is None) is (case == "causal"), case
+    assert "aten._scaled_dot_product_flash_attention_for_cpu" in called or case != "causal", called
 
 
 def test_kernel_can_be_turned_off():
