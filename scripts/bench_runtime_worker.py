@@ -3,16 +3,25 @@
 Two OpenMP runtimes in one process slow each other (CTranslate2 next to torch slowed torch 1.7-2.4x here), so this
 script imports only the runtime it times: torch for hf_tfm, onnxruntime + numpy for ONNX, ctranslate2 for CTranslate2.
 It reads a JSON request on stdin (`format`, `path`, `prompts`, `new`, `rounds`, `threads`; for hf_tfm `quantize`) and
-prints, as JSON, the
-median seconds of one decode step (`step`) over `rounds` calls of `new` greedy tokens each; with
-`"mode": "score"` (`scripts/quality.py --runtimes`) it scores the export's next-token predictions on `blocks` instead.
+prints, as JSON, the median seconds of one decode step (`step`) over `rounds` calls of `new` greedy tokens each. The
+prompts may differ in length: hf_tfm and ONNX Runtime left-pad them into one batch, CTranslate2 and llama.cpp take
+them as they are. With `"mode": "ttft"` it prints the median seconds from the call to the first new token (`ttft`),
+the prompts' processing; with `"mode": "score"` (`scripts/quality.py --runtimes`) it scores the export's next-token
+predictions on `blocks` instead.
 """
+
+from __future__ import annotations
 
 import json
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported only by the hf_tfm runners: the other runtimes' processes go without it
+    import torch
 
 
 class StepClock:
@@ -37,67 +46,58 @@ class StepClock:
         return (self.stamps[-1] - self.stamps[-new]) / (new - 1)
 
 
-def _hf_tfm(path: str, prompts: list[list[int]], threads: int, quantize: str | None = None, compile: bool = False):
+# a runtime's greedy decoding of its prompts: one call making `new` tokens, each step's arrival noted on the clock
+Runner = Callable[[int, StepClock], None]
+
+
+def left_padded(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prompts` as one batch, as `generate()` takes prompts of different lengths: each left-padded to the longest
+    (the padding's id is masked out, so any does), and the attention mask of the real tokens."""
+    import torch
+
+    longest = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def _hf_tfm(
+    path: str, prompts: list[list[int]], threads: int, quantize: str | None = None, compile: bool = False
+) -> Runner:
     import torch
 
     from hf_tfm import load_for_inference
 
     torch.set_num_threads(threads)
     model = load_for_inference(path, quantize=quantize, compile=compile)  # what `hf-tfm generate` loads
-    ids = torch.tensor(prompts)
-    mask = torch.ones_like(ids)
+    ids, mask = left_padded(prompts)
 
-    def run(new: int) -> float:
-        clock = StepClock()
+    def run(new: int, clock: StepClock) -> None:
         with torch.no_grad():
             model.generate(
                 ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=clock
             )
-        return clock.step_seconds(new)
 
     return run
 
 
-def _hf_tfm_compiled(path: str, prompts: list[list[int]], threads: int, quantize: str | None = None):
+def _hf_tfm_compiled(path: str, prompts: list[list[int]], threads: int, quantize: str | None = None) -> Runner:
     return _hf_tfm(path, prompts, threads, quantize, compile=True)
 
 
-def _hf_tfm_aot(path: str, prompts: list[list[int]], threads: int, quantize: str | None = None):
-    import torch
-
-    from hf_tfm import load_for_inference
-    from hf_tfm.aot import AotDecoder
-
-    torch.set_num_threads(threads)
-    ids = torch.tensor(prompts)
-    model = load_for_inference(path, quantize=quantize)
-    decoders = {}  # per max_length: each run's prompt plus its new tokens, the static cache generate() would make
-
-    def run(new: int) -> float:
-        if new not in decoders:
-            decoders[new] = AotDecoder(model, ids.shape[1] + new, batch_size=len(ids))
-        clock = StepClock()
-        decoders[new].generate(ids, new, eos_token_id=[], streamer=clock)  # no end token: `new` tokens, as the others
-        return clock.step_seconds(new)
-
-    return run
-
-
-def _onnx(path: str, prompts: list[list[int]], threads: int):
+def _onnx(path: str, prompts: list[list[int]], threads: int) -> Runner:
     sys.path.insert(0, path)  # the export's own runner, as a deployment uses it
     from ort_generate import OnnxGenerator
 
     generator = OnnxGenerator(path, threads=threads)
 
-    def run(new: int) -> float:
-        clock = StepClock()
+    def run(new: int, clock: StepClock) -> None:
         generator.generate(prompts, new, on_token=clock.put)
-        return clock.step_seconds(new)
 
     return run
 
 
-def _ctranslate2(path: str, prompts: list[list[int]], threads: int):
+def _ctranslate2(path: str, prompts: list[list[int]], threads: int) -> Runner:
     import ctranslate2
 
     generator = ctranslate2.Generator(path, device="cpu", compute_type="default", intra_threads=threads)
@@ -106,7 +106,7 @@ def _ctranslate2(path: str, prompts: list[list[int]], threads: int):
     tokens = [[vocabulary[i] for i in prompt] for prompt in prompts]
     greedy = {"beam_size": 1, "sampling_topk": 1, "include_prompt_in_result": False}
 
-    def run(new: int) -> float:
+    def run(new: int, clock: StepClock) -> None:
         arrived: dict[int, float] = {}  # step -> when its last sequence's token arrived (one call per sequence)
 
         def on_token(result) -> bool:
@@ -114,14 +114,12 @@ def _ctranslate2(path: str, prompts: list[list[int]], threads: int):
             return False  # go on decoding
 
         generator.generate_batch(tokens, max_length=new, min_length=new, callback=on_token, **greedy)
-        clock = StepClock()
-        clock.stamps = [arrived[step] for step in sorted(arrived)]
-        return clock.step_seconds(new)
+        clock.stamps += [arrived[step] for step in sorted(arrived)]
 
     return run
 
 
-def _llama_cpp(path: str, prompts: list[list[int]], threads: int):
+def _llama_cpp(path: str, prompts: list[list[int]], threads: int) -> Runner:
     """llama.cpp through llama-cpp-python's C API (its own environment, .venv-llama-cpp): every prompt a sequence of
     one batch, as llama.cpp's own batched example decodes them; greedy argmax of each sequence's logits."""
     import llama_cpp as ll
@@ -150,9 +148,8 @@ def _llama_cpp(path: str, prompts: list[list[int]], threads: int):
         rows = [i for i in range(tokens.n_tokens) if tokens.logits[i]]
         return [int(np.ctypeslib.as_array(ll.llama_get_logits_ith(context, i), (vocab,)).argmax()) for i in rows]
 
-    def run(new: int) -> float:
+    def run(new: int, clock: StepClock) -> None:
         ll.llama_memory_clear(ll.llama_get_memory(context), True)
-        clock = StepClock()
         fill([(t, j, s, j == len(p) - 1) for s, p in enumerate(prompts) for j, t in enumerate(p)])
         chosen = decode()
         clock.put(chosen)
@@ -160,7 +157,6 @@ def _llama_cpp(path: str, prompts: list[list[int]], threads: int):
             fill([(t, len(p) + step - 1, s, True) for s, (p, t) in enumerate(zip(prompts, chosen, strict=True))])
             chosen = decode()
             clock.put(chosen)
-        return clock.step_seconds(new)
 
     return run
 
@@ -168,7 +164,6 @@ def _llama_cpp(path: str, prompts: list[list[int]], threads: int):
 RUNNERS = {
     "hf_tfm": _hf_tfm,
     "hf_tfm+compile": _hf_tfm_compiled,
-    "hf_tfm+aot": _hf_tfm_aot,
     "onnx": _onnx,
     "ctranslate2": _ctranslate2,
     "gguf": _llama_cpp,
@@ -213,6 +208,21 @@ def score(request: dict) -> dict:
     return {"nll": float(nll), "count": count, "agree": agree}
 
 
+def step_seconds(run: Runner, new: int) -> float:
+    """Seconds per decode step of one call of `new` tokens, timed inside it (the prompt's processing left out)."""
+    clock = StepClock()
+    run(new, clock)
+    return clock.step_seconds(new)
+
+
+def first_token_seconds(run: Runner) -> float:
+    """Seconds from a call to its first new token: the prompt's processing, and the choice of its next token."""
+    clock = StepClock()
+    start = time.perf_counter()
+    run(1, clock)
+    return clock.stamps[-1] - start
+
+
 def main() -> None:
     request = json.loads(sys.stdin.read())
     if request.get("mode") == "score":
@@ -220,8 +230,13 @@ def main() -> None:
         return
     options = {"quantize": request["quantize"]} if request.get("quantize") else {}
     run = RUNNERS[request["format"]](request["path"], request["prompts"], request["threads"], **options)
-    run(request["new"])  # warm-up: kernels, allocations, caches (and compiling)
-    steps = [run(request["new"]) for _ in range(request["rounds"])]
+    if request.get("mode") == "ttft":
+        first_token_seconds(run)  # warm-up: kernels, allocations, caches (and compiling, for this prompt's length)
+        times = [first_token_seconds(run) for _ in range(request["rounds"])]
+        print(json.dumps({"ttft": statistics.median(times)}))
+        return
+    step_seconds(run, request["new"])  # warm-up: kernels, allocations, caches (and compiling)
+    steps = [step_seconds(run, request["new"]) for _ in range(request["rounds"])]
     print(json.dumps({"step": statistics.median(steps)}))
 
 

@@ -3,8 +3,11 @@
 Performance is never asserted here: the numbers are measured by `scripts/bench.py` itself, not by timed tests.
 """
 
+import importlib
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,32 @@ BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
 
 
 def load_bench():
-    return load_script(BENCH, "hf_tfm_bench")
+    """The `bench` package (scripts/bench/), imported as scripts/bench.py imports it: from scripts/."""
+    if str(BENCH.parent) not in sys.path:
+        sys.path.insert(0, str(BENCH.parent))
+    return importlib.import_module("bench")
+
+
+@pytest.fixture
+def tinyllama_standin(monkeypatch) -> str:
+    """A size of TinyLlama's kind (grouped-query attention, its own SwiGLU width, a Llama only) at the tiny size's
+    scale, registered as the bench's sizes are."""
+    bench = load_bench()
+    name = "tinyllama_standin"
+    small = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab": 512}
+    monkeypatch.setitem(bench.SIZES, name, {**bench.SIZES["tinyllama"], **small})
+    monkeypatch.setitem(bench.SHAPES, name, bench.SHAPES["tiny"])
+    monkeypatch.setitem(bench.BANDWIDTH_MIB, name, bench.BANDWIDTH_MIB["tiny"])
+    return name
+
+
+def run_bench(argv: list[str]) -> dict:
+    """`bench.main(argv)` on one thread, the test process's threads restored after it."""
+    threads = torch.get_num_threads()
+    try:
+        return load_bench().main([*argv, "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def assert_charts(paths: list[Path]) -> None:
@@ -31,12 +59,8 @@ def assert_charts(paths: list[Path]) -> None:
 
 def test_bench_tiny_end_to_end(tmp_path):
     bench = load_bench()
-    threads = torch.get_num_threads()
     out_path = tmp_path / "bench.json"
-    try:
-        bench.main(["--size", "tiny", "--rounds", "1", "--threads", "1", "--json", str(out_path)])
-    finally:
-        torch.set_num_threads(threads)
+    run_bench(["--size", "tiny", "--rounds", "1", "--json", str(out_path)])
     out = json.loads(out_path.read_text())
 
     rows = {(r["pair"], r["task"]): r for r in out["results"]}
@@ -76,13 +100,9 @@ def test_bench_decode_settings_tiny(tmp_path):
     """`--decode-settings`: every weight setting on both sides, bytes per step, bandwidth fractions, and the failures
     reported with their error rather than skipped."""
     bench = load_bench()
-    threads = torch.get_num_threads()
     out_path = tmp_path / "decode.json"
-    try:
-        args = ["--size", "tiny", "--rounds", "1", "--threads", "1", "--decode-settings", "all"]
-        bench.main([*args, "--json", str(out_path), "--charts", str(tmp_path / "charts")])
-    finally:
-        torch.set_num_threads(threads)
+    args = ["--size", "tiny", "--rounds", "1", "--decode-settings", "all"]
+    run_bench([*args, "--json", str(out_path), "--charts", str(tmp_path / "charts")])
     out = json.loads(out_path.read_text())
     assert out["bandwidth"]["bytes_per_s"] > 0
     # a decode-settings run has no pair results: its one chart is the settings'
@@ -156,13 +176,8 @@ def test_quality_script_scores_runtime_exports_tiny(tmp_path):
 def test_bench_decode_settings_compiled_tiny(tmp_path):
     """A `+compile` setting decodes with a static cache and compiled generate() on both sides; fp32 (the reference
     of every speedup) is measured even when not asked for."""
-    bench = load_bench()
-    threads = torch.get_num_threads()
-    try:
-        args = ["--size", "tiny", "--rounds", "1", "--threads", "1", "--decode-settings", "bf16+compile"]
-        out = bench.main([*args, "--json", str(tmp_path / "decode.json")])
-    finally:
-        torch.set_num_threads(threads)
+    args = ["--size", "tiny", "--rounds", "1", "--decode-settings", "bf16+compile"]
+    out = run_bench([*args, "--json", str(tmp_path / "decode.json")])
     rows = {r["setting"]: r for r in out["decode"]}
     assert list(rows) == ["fp32", "bf16+compile"] and "compiled generate()" in rows["bf16+compile"]["what"]
     for side in ("ours", "theirs"):
@@ -175,19 +190,15 @@ def test_bench_runtimes_tiny(tmp_path):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("ctranslate2")
     bench = load_bench()
-    threads = torch.get_num_threads()
     out_path, charts = tmp_path / "runtimes.json", tmp_path / "charts"
-    settings = "onnx_int8,ct2_float32,hf_tfm_int4_compiled,hf_tfm_q4_aot"
+    settings = "onnx_int8,ct2_float32,hf_tfm_int4_compiled,hf_tfm_q4_compiled"
     pytest.importorskip("torchao")
-    argv = ["--size", "tiny", "--runtimes", settings, "--rounds", "1", "--threads", "1"]
-    try:
-        bench.main([*argv, "--json", str(out_path), "--charts", str(charts)])
-    finally:
-        torch.set_num_threads(threads)
+    argv = ["--size", "tiny", "--runtimes", settings, "--rounds", "1"]
+    run_bench([*argv, "--json", str(out_path), "--charts", str(charts)])
     out = json.loads(out_path.read_text())
     rows = {r["setting"]: r for r in out["runtimes"]}
     # the reference first
-    assert list(rows) == ["hf_tfm fp32", "onnx int8", "ct2 float32", "hf_tfm int4 compiled", "hf_tfm q4 aot"]
+    assert list(rows) == ["hf_tfm fp32", "onnx int8", "ct2 float32", "hf_tfm int4 compiled", "hf_tfm q4 compiled"]
     for name, r in rows.items():
         assert "error" not in r, r
         assert r["weight_bytes_per_step"] > 0
@@ -197,7 +208,7 @@ def test_bench_runtimes_tiny(tmp_path):
     assert rows["onnx int8"]["weight_bytes_per_step"] < rows["ct2 float32"]["weight_bytes_per_step"]
     # int4 weights with bf16 around them: fewer bytes than fp32 (the tiny model's embeddings dominate both)
     assert rows["hf_tfm int4 compiled"]["weight_bytes_per_step"] < rows["hf_tfm fp32"]["weight_bytes_per_step"]
-    assert rows["hf_tfm q4 aot"]["weight_bytes_per_step"] < rows["hf_tfm fp32"]["weight_bytes_per_step"]
+    assert rows["hf_tfm q4 compiled"]["weight_bytes_per_step"] < rows["hf_tfm fp32"]["weight_bytes_per_step"]
     assert "| tiny | onnx int8 |" in out["markdown"]
     assert_charts([charts / "runtimes.png"])
 
@@ -208,15 +219,77 @@ def test_bench_runtimes_w4a16_tiny(tmp_path):
     bench = load_bench()
     if not bench.LLMCOMPRESSOR_PYTHON.exists():
         pytest.skip("needs llm-compressor's environment: make llmcompressor-env")
-    threads = torch.get_num_threads()
     argv = ["--size", "tiny", "--runtimes", "hf_tfm_q4_compiled,hf_tfm_w4a16_compiled", "--rounds", "1"]
-    try:
-        out = bench.main([*argv, "--threads", "1", "--json", str(tmp_path / "w4a16.json")])
-    finally:
-        torch.set_num_threads(threads)
+    out = run_bench([*argv, "--json", str(tmp_path / "w4a16.json")])
     rows = {r["setting"]: r for r in out["runtimes"]}
     assert "error" not in rows["hf_tfm w4a16 compiled"], rows["hf_tfm w4a16 compiled"]
     assert rows["hf_tfm w4a16 compiled"]["b1_step_s"] > 0
     # the same int4 layers; lm_head stays float where q4 makes it int8
     assert rows["hf_tfm q4 compiled"]["weight_bytes_per_step"] < rows["hf_tfm w4a16 compiled"]["weight_bytes_per_step"]
     assert rows["hf_tfm w4a16 compiled"]["weight_bytes_per_step"] < rows["hf_tfm fp32"]["weight_bytes_per_step"]
+
+
+def test_bench_script_runs_as_documented():
+    """`python scripts/bench.py` (the entry point of the package beside it) takes the documented flags."""
+    done = subprocess.run([sys.executable, str(BENCH), "--help"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for flag in ("--size", "--runtimes", "--decode-settings", "--ttft", "--padded", "tinyllama"):
+        assert flag in done.stdout, flag
+
+
+def test_tinyllama_size_is_tinyllama_shape():
+    """`--size tinyllama` builds TinyLlama-1.1B's shape (built here on the meta device: no weights made): its
+    1,100,048,384 parameters, grouped-query k/v projections in the FLOPs' matmul shapes, and the llama pair only."""
+    bench = load_bench()
+    with torch.device("meta"):
+        model, linears = bench.in_tree_model("llama", "tinyllama", torch.float32, "sdpa", bench.SHAPES["tinyllama"])
+    config = model.config
+    assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size) == (2048, 22, 5632)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (32, 4, 32000)
+    assert bench.n_params(model) == 1_100_048_384
+    # every matmul weight: all parameters but the token table and the norms
+    norms = (2 * 22 + 1) * 2048
+    assert sum(i * o for i, o in linears) == bench.n_params(model) - 32000 * 2048 - norms
+    assert (2048, 256) in linears  # k and v: 4 heads of 64
+    assert [p for p in bench.PAIR_TASKS if bench.models.builds("tinyllama", p)] == ["llama"]
+
+
+def test_bench_size_builds_its_pairs_only(tinyllama_standin):
+    """A size of TinyLlama's kind times the llama pair alone (the GPT-2 pair is skipped), here decoding a padded
+    batch: prompts of different lengths, left-padded, on both sides."""
+    bench = load_bench()
+    argv = ["--size", tinyllama_standin, "--pairs", "llama,gpt2", "--tasks", "decode_b8", "--rounds", "1"]
+    out = run_bench([*argv, "--padded", "--no-memory"])
+    assert [(r["pair"], r["task"]) for r in out["results"]] == [("llama", "decode_b8")]
+    assert out["results"][0]["ours"]["median_s"] > 0 and out["args"]["padded"] is True
+    assert bench.steps.prompt_lengths(8, 32, padded=True) == [32, 30, 28, 26, 23, 21, 19, 16]
+    assert out["markdown"].startswith("Load average (1 / 5 / 15 min): ")
+
+
+def test_bench_runtimes_ttft_padded_tiny(tmp_path, tinyllama_standin):
+    """`--runtimes ... --ttft --padded` on a size of TinyLlama's kind: each runtime decodes a batch of prompts of
+    different lengths, and times its first token after prompts of `TTFT_PROMPTS` tokens, each in a process of its
+    own, with ratios to hf_tfm fp32's, beside the ms per token in the JSON and the table."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("ctranslate2")
+    bench = load_bench()
+    settings = ["onnx_int8", "ct2_float32"]
+    if bench.runtimes.LLAMA_CPP_PYTHON.is_file():
+        settings.append("llama.cpp_q8_0")
+    argv = ["--size", tinyllama_standin, "--runtimes", ",".join(settings), "--ttft", "--padded", "--rounds", "1"]
+    out = run_bench([*argv, "--json", str(tmp_path / "runtimes.json")])
+    assert json.loads((tmp_path / "runtimes.json").read_text())["markdown"] == out["markdown"]
+    rows = {r["setting"]: r for r in out["runtimes"]}
+    assert list(rows) == ["hf_tfm fp32", *(s.replace("_", " ", 1) for s in settings)]
+    for name, r in rows.items():
+        assert "error" not in r, r
+        for key in [f"b{batch}" for batch in bench.SHAPES["tiny"]["decode_batches"]]:
+            assert r[f"{key}_step_s"] > 0 and math.isfinite(r[f"{key}_speedup_vs_hf_tfm_fp32"]), name
+        for length in bench.TTFT_PROMPTS:
+            assert r[f"ttft_p{length}_s"] > 0, (name, r)
+            assert math.isfinite(r[f"ttft_p{length}_speedup_vs_hf_tfm_fp32"]), name
+    assert rows["hf_tfm fp32"]["ttft_p512_speedup_vs_hf_tfm_fp32"] == 1.0
+    table = out["markdown"]
+    assert table.startswith("Load average (1 / 5 / 15 min): ") and "ms/token B=2 padded" in table
+    assert "| first token ms P=128 | first token ms P=512 |" in table
+    assert f"| {tinyllama_standin} | onnx int8 |" in table
