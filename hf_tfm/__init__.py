@@ -1,7 +1,8 @@
 """hf_tfm: a configurable transformer (encoder or decoder) that plugs into Hugging Face transformers.
 
 Importing the package registers `TfmConfig` and every model class with transformers' Auto classes (idempotent), and
-marks them for remote code, so each saved checkpoint carries `configuration.py`, `modeling.py` and an `auto_map`.
+marks them for remote code, so each saved checkpoint carries `configuration.py`, `modeling.py` (with the modules it
+imports: `checkpoint.py`, `distributed.py`) and an `auto_map`.
 """
 
 from transformers import (
@@ -34,7 +35,7 @@ from .modeling import (
     TfmSeq2SeqModel,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 AUTO_CLASSES = {
     "AutoModel": (AutoModel, TfmModel),

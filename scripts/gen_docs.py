@@ -346,12 +346,6 @@ def render_runtimes() -> str:
     from hf_tfm import TfmConfig, TfmSeq2SeqConfig
     from hf_tfm.exporters import FORMATS
 
-    names = {
-        "gguf": "GGUF (llama.cpp)",
-        "onnx": "ONNX (ONNX Runtime)",
-        "ctranslate2": "CTranslate2",
-        "executorch": "ExecuTorch (XNNPACK)",
-    }
     out = [
         "## Runtimes",
         "",
@@ -359,7 +353,7 @@ def render_runtimes() -> str:
         'architecture for GGUF) or refused with a `ValueError` naming the knob ("no"). Each row changes the default',
         "decoder by the knobs named; `hf-tfm info FOLDER` answers the same for a whole config, with the reasons.",
         "",
-        "| setting | " + " | ".join(names[f] for f in FORMATS) + " |",
+        "| setting | " + " | ".join(export_format.title for export_format in FORMATS.values()) + " |",
         "|---|" + "---|" * len(FORMATS),
     ]
     for label, overrides in RUNTIME_ROWS.items():

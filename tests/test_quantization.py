@@ -426,17 +426,22 @@ def test_cli_refuses_an_unavailable_backend_naming_what_to_install(lm_folder, ca
 
 
 def test_docs_fast_inference_blocks(tmp_path, monkeypatch):
-    """The docs' int8 lead, quantized-loading, QLoRA, load_for_inference, q8 and AotDecoder blocks run as written (one
-    namespace, a scratch directory); then the GPTQ block, where llm-compressor's environment is made (as in CI)."""
+    """The docs' recommended setting (q4 through load_for_inference), other backends and QLoRA blocks run as
+    written (one namespace, a scratch directory); then the GPTQ block, where llm-compressor's environment is made (as
+    in CI)."""
+    from hf_tfm import load_for_inference
+
     for module in ("bitsandbytes", "torchao", "peft"):
         pytest.importorskip(module, reason="the page's blocks use it (in the dev extra)")
-    namespace = run_doc_blocks("fast-inference", 7, tmp_path, monkeypatch, first=6)
-    assert namespace["tokens"].shape == (1, 12)
-    assert torch.equal(namespace["fast_tokens"], namespace["tokens"])  # compiled, the eager tokens
-    assert namespace["q8_tokens"].shape == (1, 12)
-    assert type(namespace["q8_lm"].lm_head).__name__ == "Int8StreamingLinear"
-    assert torch.equal(namespace["aot_tokens"], namespace["q8_tokens"])
-    assert is_quantized(namespace["lm8"].model.layers[0].mlp.up_proj)
+    namespace = run_doc_blocks("fast-inference", 4, tmp_path, monkeypatch, first=3)
+    model = namespace["model"]
+    assert type(model.lm_head).__name__ == "Int8StreamingLinear"
+    assert model.compiled_decode_step.calls > 0  # generate()'s steps ran through the step compiled ahead of time
+    assert namespace["tokens"].shape == namespace["sampled"].shape == (1, 12)
+    eager = load_for_inference(tmp_path / "out" / "small-lm", quantize="q4", compile=False)
+    eager_tokens = eager.generate(input_ids=namespace["prompt"], max_new_tokens=8, do_sample=False)
+    assert torch.equal(namespace["tokens"], eager_tokens)  # compiled: the eager model's greedy tokens
+    assert is_quantized(namespace["int8"].model.layers[0].mlp.up_proj)
     assert namespace["out"].shape == namespace["fast"].shape == (1, 12)
     assert is_quantized(namespace["int4"].model.layers[0].mlp.up_proj)
     assert json.loads((tmp_path / "out" / "lm-int8" / "config.json").read_text())["quantization_config"]
@@ -449,6 +454,6 @@ def test_docs_fast_inference_blocks(tmp_path, monkeypatch):
     if not llmcompressor.exists():
         pytest.skip("the GPTQ block needs llm-compressor's environment: make llmcompressor-env")
     monkeypatch.setenv("HF_TFM_LLMCOMPRESSOR_PYTHON", str(llmcompressor))
-    run_doc_block("fast-inference", 6, namespace)
+    run_doc_block("fast-inference", 3, namespace)
     assert namespace["gptq_tokens"].shape == (1, 12)
     assert type(namespace["gptq_fast"].model.layers[0].mlp.gate_up_proj).__name__ == "Int8StreamingLinear"
