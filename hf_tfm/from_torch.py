@@ -259,15 +259,8 @@ def _seq2seq(
         ("encoder", body.encoder, embed_tokens),
         ("decoder", body.decoder, target_embed_tokens),
     ):
-        kwargs = _layers_config(stack)
-        d = kwargs["hidden_size"]
-        layer_state = _layers_state(stack)
-        kwargs["final_norm"] = stack.norm is not None
-        if stack.norm is not None:
-            layer_state.update(_norm_state(stack.norm, "norm", d, kwargs, f"the final `norm` of the {side}"))
-        kwargs.update(_embedding_config(tokens, d), embedding_scale=embedding_scale)
-        layer_state["embed_tokens.weight"] = tokens.weight.detach()
-        position_kwargs, position_state = _positions(positions, d)
+        kwargs, layer_state = _stack_fields(stack, tokens, embedding_scale, side)
+        position_kwargs, position_state = _positions(positions, kwargs["hidden_size"])
         sides[side] = {**kwargs, **position_kwargs}
         state.update({f"model.{side}.{name}": tensor for name, tensor in {**layer_state, **position_state}.items()})
     if head is None or type(head) is not nn.Linear:
