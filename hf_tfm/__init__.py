@@ -21,7 +21,7 @@ from .configuration import TfmConfig, TfmDecoderConfig, TfmEncoderConfig, TfmSeq
 # Imported eagerly, unlike `convert` below: it needs nothing beyond `modeling`, and the function shares its module's
 # name, so a lazy `__getattr__` would lose to the submodule (`import hf_tfm.from_torch` sets `hf_tfm.from_torch`).
 from .from_torch import from_torch
-from .inference import compile_generation, load_for_inference
+from .inference.load import compile_generation, load_for_inference
 from .modeling import (
     TfmForCausalLM,
     TfmForConditionalGeneration,

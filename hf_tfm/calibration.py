@@ -87,7 +87,7 @@ def awq_mappings(model: Any) -> list[tuple[str, list[str]]]:
 
 def _check(config: Any) -> int:
     """The group size of `config`'s causal LM, or a ValueError saying why it cannot be calibrated."""
-    from .quantization import int4_group_size
+    from .inference.quantize import int4_group_size
 
     if config.model_type != "hf_tfm":
         raise ValueError(

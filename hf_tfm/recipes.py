@@ -887,7 +887,7 @@ def training_job(
 
 def load_causal_lm(path: str | os.PathLike, trust_remote_code: bool = False, **kwargs: Any) -> PreTrainedModel:
     """`AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)` (`dtype`, a
-    quantization config: `hf_tfm.quantization.quantization_kwargs`).
+    quantization config: `hf_tfm.inference.quantization_kwargs`).
 
     Code a folder or Hub repository ships runs only with `trust_remote_code=True` (transformers' `ValueError`
     otherwise); hf_tfm's own folders load without it, through the classes importing hf_tfm registered.

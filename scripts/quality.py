@@ -34,7 +34,7 @@ from bench import DECODE_SETTINGS, calibration_python, load_setting, machine_inf
 from hf_tfm import TfmConfig, TfmForCausalLM, load_for_inference
 from hf_tfm.calibration import METHODS, calibrate
 from hf_tfm.data import stdlib_files
-from hf_tfm.quantization import NATIVE_SETTINGS
+from hf_tfm.inference.quantize import SETTINGS as QUANTIZE_SETTINGS
 from hf_tfm.recipes import TrainSettings, pack_texts, pretrain_causal_lm
 from hf_tfm.tokenization import train_bpe_tokenizer
 
@@ -115,7 +115,7 @@ LLAMA_CPP_PYTHON = os.path.join(
 # hf_tfm's own settings (`load_for_inference(quantize=...)`), every setting of the bench's decode table, and the
 # calibrated int4 checkpoints of `hf_tfm.calibration` (GPTQ, AWQ, and round-to-nearest in the same format)
 SETTINGS = {
-    **NATIVE_SETTINGS,
+    **{name: setting.summary for name, setting in QUANTIZE_SETTINGS.items() if setting.native},
     **{name: what for name, (_, _, what) in DECODE_SETTINGS.items()},
     **{f"{method}_int4": what for method, what in METHODS.items()},
 }
@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"[quality] {setting} ...", file=sys.stderr, flush=True)
             row = {"setting": setting, "what": SETTINGS[setting]}
             try:
-                if setting in NATIVE_SETTINGS:  # scored eagerly: the compiled step computes the same products
+                # scored eagerly: the compiled step computes the same products
+                if setting in QUANTIZE_SETTINGS and QUANTIZE_SETTINGS[setting].native:
                     model = load_for_inference(folder, quantize=setting, compile=False)
                 elif setting.removesuffix("_int4") in METHODS:
                     model = load_calibrated(folder, setting.removesuffix("_int4"), args.seq_len, args.size)

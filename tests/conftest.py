@@ -249,8 +249,8 @@ def run_without_hf_tfm(code: str, tmp_path: Path, timeout: float = 180.0, python
 
 
 def compiled_generate(model, *args, **kwargs):
-    """`model.generate(...)`, which must decode through a compiled step: `hf_tfm.aot`'s library where the model has
-    one (a decoder-only causal LM on a CPU), else a dynamo graph per step, with no graph break."""
+    """`model.generate(...)`, which must decode through a compiled step: `hf_tfm.inference.aot`'s library where the
+    model has one (a decoder-only causal LM on a CPU), else a dynamo graph per step, with no graph break."""
     from torch._dynamo.utils import counters
 
     step = getattr(model, "compiled_decode_step", None)

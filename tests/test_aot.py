@@ -1,5 +1,5 @@
-"""The compiled decode step (`hf_tfm.aot`): `generate()`'s one-token steps through an AOTInductor library give the
-model's own tokens, for every `generate()` feature.
+"""The compiled decode step (`hf_tfm.inference.aot`): `generate()`'s one-token steps through an AOTInductor library
+give the model's own tokens, for every `generate()` feature.
 
 The oracle is the same checkpoint loaded without the step (`load_for_inference(..., compile=False)`, the model's eager
 forward): greedy tokens equal, and sampled ones with the same seed (the step's logits equal the eager ones within
@@ -17,8 +17,8 @@ from test_inference import FUSABLE
 from transformers import AutoTokenizer, TextIteratorStreamer, pipeline
 
 from hf_tfm import TfmForConditionalGeneration, load_for_inference
-from hf_tfm.aot import AotDecoder, CompiledDecodeStep, install, step_blockers
-from hf_tfm.kernels import native_kernels_available
+from hf_tfm.inference.aot import CompiledDecodeStep, install, step_blockers
+from hf_tfm.inference.kernels import native_kernels_available
 
 PROMPTS = torch.tensor([[1, *CYCLE[3:12]], [1, *CYCLE[30:39]]])  # two prompts of one length
 # a left-padded batch of three prompts of different lengths (pad id 0)
@@ -204,15 +204,3 @@ def test_calls_the_step_does_not_take_run_the_model(lm):
     fast(input_ids=PROMPTS).logits.sum().backward()
     fast.zero_grad()
     assert steps(fast) == before
-
-
-def test_aot_decoder_is_deprecated_and_decodes_as_generate(lm):
-    fast, eager = lm
-    with pytest.warns(FutureWarning, match="deprecated"):
-        decoder = AotDecoder(fast, PROMPTS.shape[1] + 8, batch_size=2)
-    expected = eager.generate(PROMPTS, max_new_tokens=8, do_sample=False, eos_token_id=[])
-    assert torch.equal(decoder.generate(PROMPTS, 8, eos_token_id=[]), expected)
-    with pytest.raises(ValueError, match="batch_size=2"):
-        decoder.generate(PROMPTS[:1], 8)
-    with pytest.raises(ValueError, match="max_length"):
-        decoder.generate(PROMPTS, 9)

@@ -11,9 +11,9 @@ from export_models import NEW_TOKENS, PROMPTS, trained, trained_seq2seq
 from torch import nn
 
 from hf_tfm import TfmForCausalLM, TfmForConditionalGeneration, load_for_inference
-from hf_tfm.aot import CompiledDecodeStep
 from hf_tfm.inference import Int8StreamingLinear, StreamingLinear, quantize_q4, quantize_q8
-from hf_tfm.kernels import native_kernels_available
+from hf_tfm.inference.aot import CompiledDecodeStep
+from hf_tfm.inference.kernels import native_kernels_available
 from hf_tfm.modeling import CACHE_NAME
 
 OPTIONS = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False}
@@ -146,14 +146,14 @@ def test_fused_projections_compute_the_separate_layers(kind, overrides, native, 
     if native and not native_kernels_available():
         pytest.skip("needs hf_tfm's native kernel")
     if not native:
-        monkeypatch.setattr("hf_tfm.inference.native_kernels_available", lambda: False)
+        monkeypatch.setattr("hf_tfm.inference.kernels.native_kernels_available", lambda: False)
     if kind == "causal":
         model = build(TfmForCausalLM, tiny_config(**FUSABLE, **overrides))
     else:
         model = build(TfmForConditionalGeneration, tiny_seq2seq_config(FUSABLE, FUSABLE))
     for quantize in (quantize_q8, quantize_q4):
         with monkeypatch.context() as m:
-            m.setattr("hf_tfm.inference.fuse_projections", lambda model: model)
+            m.setattr("hf_tfm.inference.layers.fuse_projections", lambda model: model)
             separate = quantize(copy.deepcopy(model))
         fused = quantize(copy.deepcopy(model))
         attention = [m for m in fused.modules() if hasattr(m, "qkv_proj")]
@@ -203,7 +203,7 @@ def test_q8_refuses_to_save_and_warns_when_eager_without_the_kernel(tmp_path, ca
         load_for_inference(tmp_path / "float", quantize="q8", compile=False)
     assert ("made for the compiled step" in caplog.text) is not native_kernels_available()
     caplog.clear()
-    monkeypatch.setattr("hf_tfm.inference.native_kernels_available", lambda: False)
+    monkeypatch.setattr("hf_tfm.inference.kernels.native_kernels_available", lambda: False)
     with caplog.at_level(logging.WARNING, logger="hf_tfm.inference"):
         fast = load_for_inference(tmp_path / "float", quantize="q8", compile=False)
     assert "made for the compiled step" in caplog.text

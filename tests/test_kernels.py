@@ -1,6 +1,6 @@
-"""hf_tfm's native CPU kernels (hf_tfm.kernels: int8/int4 in csrc/int_linear.cpp, float32 in csrc/float_linear.cpp)
-against a reference of their arithmetic written in torch, the layers that call them against their fallback formula,
-and the decode step's attention against sdpa. Speed lives in scripts/bench.py."""
+"""hf_tfm's native CPU kernels (hf_tfm.inference.kernels: int8/int4 in csrc/int_linear.cpp, float32 in
+csrc/float_linear.cpp) against a reference of their arithmetic written in torch, the layers that call them against
+their fallback formula, and the decode step's attention against sdpa. Speed lives in scripts/bench.py."""
 
 import copy
 import os
@@ -16,15 +16,9 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_tfm import load_for_inference
-from hf_tfm.inference import (
-    ONEDNN,
-    STREAMING_TOKENS,
-    Int8StreamingLinear,
-    StreamingLinear,
-    _attended_keys,
-    decode_attention,
-)
-from hf_tfm.kernels import native_kernels_available, pack_int4, unpack_int4
+from hf_tfm.inference.attention import _attended_keys, decode_attention
+from hf_tfm.inference.kernels import native_kernels_available, pack_int4, unpack_int4
+from hf_tfm.inference.layers import ONEDNN, STREAMING_TOKENS, Int8StreamingLinear, StreamingLinear
 
 native = pytest.mark.skipif(not native_kernels_available(), reason="needs AVX-512 VNNI and a C++ compiler")
 
@@ -279,7 +273,7 @@ def test_decode_attention_leaves_out_the_static_cache_slots_a_prompt_does_not_at
 def test_kernel_can_be_turned_off():
     """HF_TFM_NATIVE_KERNELS=0: no kernels; integer layers keep the compiled formula, float ones MKL's product."""
     code = (
-        "import torch; from hf_tfm.kernels import native_kernels_available; from hf_tfm.inference import "
+        "import torch; from hf_tfm.inference.kernels import native_kernels_available; from hf_tfm.inference import "
         "Int8StreamingLinear, StreamingLinear; q = Int8StreamingLinear.from_linear(torch.nn.Linear(128, 8), bits=4); "
         "f = StreamingLinear.from_linear(torch.nn.Linear(128, 8)); "
         "print(native_kernels_available(), q.native, q.bits, f.native)"

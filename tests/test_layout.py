@@ -17,9 +17,15 @@ PACKAGE = ROOT / "hf_tfm"
 LAYERS = [
     # what a saved folder carries as remote code, and what needs nothing of hf_tfm
     {"configuration", "checkpoint", "distributed", "modeling"},
-    {"kernels", "quantization", "tokenization", "data", "training", "programs", "exporters.registry"},
+    {"tokenization", "data", "training", "programs", "exporters.registry"},
+    # the inference wing, bottom to top: kernels, layers, the quantize table and attention, the step, the loader
+    {"inference.kernels"},
+    {"inference.layers"},
+    {"inference.quantize", "inference.attention"},
+    {"inference.aot"},
+    {"inference.load", "inference"},
     # the model's routes out and the helpers built on it
-    {"checks", "presets", "aot", "from_torch", "inference"},
+    {"checks", "presets", "from_torch"},
     {"convert.core", "convert.fields", "convert.llama_like", "convert.bart", "convert.bert"},
     {
         "convert",
@@ -79,7 +85,9 @@ def imported(name: str, path: Path) -> set[str]:
             base = package.split(".") if package else []
             base = base[: len(base) - (node.level - 1)]
             stem = ".".join([*base, *([node.module] if node.module else [])])
-            targets = [stem, *(f"{stem}.{a.name}".strip(".") for a in node.names)]
+            names = [f"{stem}.{a.name}".strip(".") for a in node.names]
+            # `from . import kernels` names the module kernels, not its package (which is being imported already)
+            targets = names if node.module is None and all(n in modules for n in names) else [stem, *names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "hf_tfm":
             stem = node.module.removeprefix("hf_tfm").strip(".")
             targets = [stem, *(f"{stem}.{a.name}".strip(".") for a in node.names)]

@@ -64,7 +64,7 @@ def _torchao_int8():
 
 
 def _torchao_int4():
-    from hf_tfm.quantization import quantization_kwargs
+    from hf_tfm.inference.quantize import quantization_kwargs
 
     return quantization_kwargs("int4", TfmConfig(**MODEL))["quantization_config"]
 
@@ -359,9 +359,9 @@ def lm_folder(tmp_path_factory):
 @pytest.mark.parametrize("setting", ["int8", "int4", "nf4"])
 def test_cli_generate_quantize(lm_folder, setting, capsys):
     from hf_tfm.cli import main
-    from hf_tfm.quantization import BACKENDS
+    from hf_tfm.inference.quantize import SETTINGS
 
-    pytest.importorskip(BACKENDS[setting].module, reason=f"--quantize {setting} needs {BACKENDS[setting].pip_spec}")
+    pytest.importorskip(SETTINGS[setting].module, reason=f"--quantize {setting} needs {SETTINGS[setting].pip_spec}")
     argv = ["generate", str(lm_folder), "--prompt", "def ", "--max-new-tokens", "4", "--greedy", "--no-stream"]
     assert main([*argv, "--quantize", setting]) == 0
     assert capsys.readouterr().out.startswith("def ")
@@ -394,7 +394,7 @@ def test_int4_groups_fit_every_linear_layer(hidden, group_size):
     """torchao leaves a layer whose input features are not a whole number of groups unquantized, without an error:
     `--quantize int4` picks a group size every linear layer takes, and refuses a model no group size fits."""
     pytest.importorskip("torchao")
-    from hf_tfm.quantization import quantization_kwargs
+    from hf_tfm.inference.quantize import quantization_kwargs
 
     config = TfmConfig(**{**MODEL, "hidden_size": hidden, "intermediate_size": 4 * hidden})
     assert quantization_kwargs("int4", config)["quantization_config"].quant_type.group_size == group_size
@@ -411,11 +411,11 @@ def test_cli_generate_bf16(lm_folder, capsys):
 
 
 def test_cli_refuses_an_unavailable_backend_naming_what_to_install(lm_folder, capsys, monkeypatch):
-    from hf_tfm import quantization
     from hf_tfm.cli import main
+    from hf_tfm.inference import quantize
 
-    missing = dataclasses.replace(quantization.BACKENDS["int4"], module="no_such_quantization_package")
-    monkeypatch.setitem(quantization.BACKENDS, "int4", missing)
+    missing = dataclasses.replace(quantize.SETTINGS["int4"], module="no_such_quantization_package")
+    monkeypatch.setitem(quantize.SETTINGS, "int4", missing)
     assert main(["generate", str(lm_folder), "--prompt", "def ", "--quantize", "int4"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"pip install '{missing.pip_spec}'" in err, err

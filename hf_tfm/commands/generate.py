@@ -1,23 +1,22 @@
 """`hf-tfm generate`: a prompt continued by a causal LM folder (a seq2seq folder: its output), streamed as it decodes,
-optionally quantized, compiled, or through a step compiled ahead of time.
+optionally quantized and compiled (`hf_tfm.load_for_inference`).
 """
 
 import argparse
 import logging
-import sys
 from typing import Any
 
-from ..quantization import BACKENDS as QUANTIZATION_BACKENDS
-from ..quantization import NATIVE_SETTINGS as NATIVE_QUANTIZATION
+from ..inference.quantize import SETTINGS as QUANTIZE_SETTINGS
 from .common import CliError, add_trust_remote_code, load_tokenizer, require_model_dir
 
 DOC_PAGE = "docs/cli.md#subcommands (--quantize: docs/fast-inference.md)"
 
-# `--quantize` settings and the backend each one uses (the fastest here; `hf_tfm.quantization.BACKENDS` builds them).
+# `--quantize` settings, from the one table of them (`hf_tfm.inference.quantize.SETTINGS`)
 QUANTIZE_HELP = {
-    **NATIVE_QUANTIZATION,
-    **{setting: f"{backend.summary} (needs {backend.pip_spec})" for setting, backend in QUANTIZATION_BACKENDS.items()},
+    name: setting.summary if setting.native else f"{setting.summary} (needs {setting.pip_spec})"
+    for name, setting in QUANTIZE_SETTINGS.items()
 }
+NATIVE_QUANTIZATION = [name for name, setting in QUANTIZE_SETTINGS.items() if setting.native]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -54,7 +53,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "compiled ahead of time); compiling takes seconds to a minute first (docs/fast-inference.md); always on with "
         f"--quantize {'/'.join(NATIVE_QUANTIZATION)}",
     )
-    p.add_argument("--aot", action="store_true", help="deprecated: the same as --compile")
     return p
 
 
@@ -64,8 +62,6 @@ def run(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     require_model_dir(args.model)
-    if args.aot:
-        print("hf-tfm generate: --aot is deprecated: --compile decodes through the same step", file=sys.stderr)
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
     model = _load_model(args)
     if args.seed is not None:
@@ -81,15 +77,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load_model(args: argparse.Namespace) -> Any:
-    """The model, quantized and compiled as `--quantize`, `--compile` (or `--aot`) and `--dtype` ask."""
+    """The model, quantized and compiled as `--quantize`, `--compile` and `--dtype` ask."""
     from ..inference import load_for_inference
-    from ..quantization import QuantizationUnavailableError
+    from ..inference.quantize import QuantizationUnavailableError
 
     if args.quantize:  # bitsandbytes logs a line per matmul (input casts) and one for an optional Hub kernel
         logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
         # hf_tfm's own int8 is made for the compiled step
-        compile = args.compile or args.aot or args.quantize in NATIVE_QUANTIZATION
+        compile = args.compile or args.quantize in NATIVE_QUANTIZATION
         return load_for_inference(
             args.model,
             quantize=args.quantize,

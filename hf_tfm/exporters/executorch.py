@@ -163,7 +163,7 @@ def _summary(config: TfmConfig, architecture: str) -> str:
 
 class StaticCacheLM(torch.nn.Module):
     """forward(input_ids (B, T), cache_position (T,)) -> logits, the KV cache a static cache kept in buffers (also the
-    step `hf_tfm.aot.AotDecoder` compiles)."""
+    step `hf_tfm.inference.aot` compiles)."""
 
     def __init__(self, model: torch.nn.Module, max_cache_len: int, batch_size: int = 1) -> None:
         super().__init__()

@@ -53,7 +53,7 @@ def _quanto(weights: str, **kwargs):
 
 NF4 = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": torch.bfloat16}
 # setting -> (dtype of the unquantized weights, quantization config factory or None, what it is). The settings that
-# `hf-tfm generate --quantize` uses are `hf_tfm.quantization.BACKENDS`; "_head" variants quantize `lm_head` too
+# `hf-tfm generate --quantize` uses are `hf_tfm.inference.quantize.SETTINGS`; "_head" variants quantize `lm_head` too
 # (`modules_to_not_convert=[]` replaces transformers' default skip list, which keeps the output embedding).
 DECODE_SETTINGS = {
     "fp32": (torch.float32, None, "fp32 weights"),

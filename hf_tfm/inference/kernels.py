@@ -1,6 +1,6 @@
 """hf_tfm's native CPU kernels for decoding, compiled for this machine's CPU on first use (about 10 s, then cached by
-torch's extension builder): `torch.ops.hf_tfm.int_linear` (csrc/int_linear.cpp) for integer weights, and
-`torch.ops.hf_tfm.float_linear` (csrc/float_linear.cpp) for float32 weights and a few tokens.
+torch's extension builder): `torch.ops.hf_tfm.int_linear` (inference/csrc/int_linear.cpp) for integer weights, and
+`torch.ops.hf_tfm.float_linear` (inference/csrc/float_linear.cpp) for float32 weights and a few tokens.
 
 `int_linear(x, weight, scale, bits)` multiplies a few tokens `x` (..., in) in float32 by int8 weights (`bits=8`,
 (out, in)) or int4 weights packed two to a byte (`bits=4`, (out, in / 2), `pack_int4`), each with a float32 scale

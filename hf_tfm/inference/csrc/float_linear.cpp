@@ -1,5 +1,5 @@
 // hf_tfm::float_linear: the product of a few tokens (a batch decoding together, a short prompt) by float32 weights,
-// reading each weight from memory once for all of them (built with int_linear.cpp by hf_tfm/kernels.py).
+// reading each weight from memory once for all of them (built with int_linear.cpp by hf_tfm/inference/kernels.py).
 //
 // y[t, n] = sum_k w[n, k] * x[t, k]. MKL's GEMM, made for many tokens, read the bench's base-shape matrices at half
 // this rate on an AMD EPYC: 8 tokens took 41 ms through MKL and 22 here, 32 tokens 67 and 52. A single token of a

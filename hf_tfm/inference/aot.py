@@ -23,9 +23,6 @@ tensors: after replacing them (new parameters, `.to()` another device or dtype),
 
 import functools
 import tempfile
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +31,8 @@ from transformers import PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .modeling import CACHE_NAME
+from ..modeling import CACHE_NAME
+from .attention import use_decode_attention
 
 # What a step call may carry besides the inputs the library takes: generate()'s bookkeeping, which changes nothing in
 # the logits of one token (`logits_to_keep` keeps the last one, the only one there is).
@@ -99,9 +97,13 @@ class _Step(torch.nn.Module):
 
     def forward(self, input_ids, position_ids, attention_mask, *cache) -> torch.Tensor:
         layers = [tuple(cache[i : i + 3]) for i in range(0, len(cache), 3)]
-        # eager attention's additive mask, (B, 1, 1, L): the step's one query may see every filled, unpadded slot
-        mask = torch.zeros(attention_mask.shape, dtype=self.model.dtype, device=attention_mask.device)
-        mask = mask.masked_fill(~attention_mask, torch.finfo(self.model.dtype).min)[:, None, None, :]
+        # (B, 1, 1, L): the step's one query may see every filled, unpadded slot; True where it may (the decode
+        # attention's and sdpa's mask), or eager attention's additive form
+        mask = attention_mask[:, None, None, :]
+        if self.model.config._attn_implementation == "eager":
+            mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(self.model.dtype).min
+            )
         options = {CACHE_NAME: _StepCache(layers), "use_cache": True}
         # The class's forward, not the instance's: `install` puts this step in front of the instance's
         return (
@@ -115,19 +117,6 @@ class _Step(torch.nn.Module):
             )
             .logits
         )
-
-
-@contextmanager
-def _eager_attention(model: PreTrainedModel) -> Iterator[None]:
-    """The model on eager attention while the step is captured; its own implementation after. Inductor fuses eager
-    attention's one-query products and softmax into one loop per layer, where SDPA stays a library call per layer
-    (about 50 us each, a fifth of a q4 step on the bench's base shape)."""
-    original = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(original)
 
 
 def step_blockers(model: PreTrainedModel) -> list[str]:
@@ -212,7 +201,7 @@ class CompiledDecodeStep:
         length = torch.export.Dim("cache_length", min=2, max=max(model.config.max_position_embeddings, 3))
         per_layer = [{2: length}, {2: length}, None]
         shapes = (None, None, {1: length}, tuple(per_layer * ((len(inputs) - 3) // 3)))
-        with _eager_attention(model), torch.no_grad():
+        with torch.no_grad():
             step = _Step(model).eval()
             # the cache copied: exporting runs the step, which would write a token into the real cache
             sample = [t.clone() for t in inputs]
@@ -241,7 +230,7 @@ def install(model: PreTrainedModel) -> PreTrainedModel:
 
     The instance's `forward` becomes a function that asks the step first and calls the class's `forward` for every
     call the step does not take. Raises `ValueError` naming why for a model the step cannot take (`step_blockers`)."""
-    step = CompiledDecodeStep(model)
+    step = CompiledDecodeStep(use_decode_attention(model))
     forward = type(model).forward
 
     @functools.wraps(forward)
@@ -254,53 +243,4 @@ def install(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
-class AotDecoder:
-    """Deprecated: `generate()` takes the compiled step itself (`load_for_inference`, or `install(model)`).
-
-    Greedy decoding of `batch_size` prompts up to `max_length` tokens, as `model.generate(..., do_sample=False)`."""
-
-    def __init__(self, model: PreTrainedModel, max_length: int, batch_size: int = 1) -> None:
-        warnings.warn(
-            "AotDecoder is deprecated: model.generate() decodes through the same compiled step once "
-            "load_for_inference(...) (or hf_tfm.aot.install(model)) has installed it",
-            FutureWarning,
-            stacklevel=2,
-        )
-        if getattr(model.config, "is_encoder_decoder", False) or not getattr(model.config, "is_causal", True):
-            raise ValueError(f"AotDecoder decodes a decoder-only causal LM; got a {type(model).__name__}")
-        limit = getattr(model.config, "max_position_embeddings", None)
-        if max_length < 2 or (limit is not None and max_length > limit):
-            raise ValueError(f"max_length={max_length} must be in [2, {limit}] (the model's max_position_embeddings)")
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be at least 1")
-        if getattr(model, "compiled_decode_step", None) is None and not step_blockers(model):
-            install(model)
-        self.model, self.max_length, self.batch_size = model.eval(), max_length, batch_size
-
-    def generate(
-        self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | list[int] | None = None, streamer=None
-    ) -> torch.Tensor:
-        """`model.generate(input_ids, max_new_tokens=..., do_sample=False, eos_token_id=...)` with a static cache."""
-        batch, length = input_ids.shape
-        if batch != self.batch_size:
-            raise ValueError(
-                f"input_ids has {batch} prompts; this decoder was compiled for batch_size={self.batch_size}"
-            )
-        if max_new_tokens < 1 or length + max_new_tokens > self.max_length:
-            raise ValueError(
-                f"a prompt of {length} tokens plus max_new_tokens={max_new_tokens} does not fit max_length="
-                f"{self.max_length} (or max_new_tokens < 1): build the decoder with a larger max_length"
-            )
-        options = {"eos_token_id": eos_token_id} if eos_token_id is not None else {}
-        return self.model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            cache_implementation="static",
-            streamer=streamer,
-            **options,
-        )
-
-
-__all__ = ["AotDecoder", "CompiledDecodeStep", "install", "step_blockers"]
+__all__ = ["CompiledDecodeStep", "install", "step_blockers"]

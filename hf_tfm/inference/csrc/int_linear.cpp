@@ -1,5 +1,5 @@
 // hf_tfm::int_linear: a decode step's product of a few tokens by int8 or int4 weights, at the memory's streaming
-// rate on an AVX-512 VNNI CPU (built on first use by hf_tfm/kernels.py).
+// rate on an AVX-512 VNNI CPU (built on first use by hf_tfm/inference/kernels.py).
 //
 // y[t, n] = sum_g ws[n, g] * sum_{k in g} q[n, k] * x[t, k]: integer weights q with a float scale per group of
 // inputs (a multiple of 64 inputs, at most 4096). Each token's inputs are rounded to int16 with a scale

@@ -1,0 +1,244 @@
+"""The linear layers a decode step multiplies with: `StreamingLinear` (float weights) and `Int8StreamingLinear`
+(integer weights and float scales), and `fuse_projections`, which gives a block's q/k/v and gate/up one product each.
+
+A decode step multiplies one token's vector by every weight matrix, so its speed is the rate at which the weights
+stream from memory. `nn.Linear` on a CPU hands that product to MKL, whose GEMV with one row read the weights at 10
+GB/s on this project's 2-core machines, where Inductor's own code for the same product written as `(x * W).sum(-1)`
+read them at 22-27 GB/s (docs/performance.md). So the compiled step swaps every plain `nn.Linear` for
+`StreamingLinear`, the same module with that formula for one token and hf_tfm's float kernel for a few (a batch
+decoding together); and `quantize="q8"` / "q4" store int8 / int4 weights with a scale per group of inputs
+(`Int8StreamingLinear`), multiplied by hf_tfm's own AVX-512 VNNI kernel: a quarter / an eighth of fp32's bytes, no
+dequantized copy. Both kernels are in `hf_tfm.inference.kernels`.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import kernels
+from .kernels import GROUP_LIMIT, GROUP_MULTIPLE, pack_int4, unpack_int4
+
+# Up to this many tokens (batch x length) a linear layer streams its weights with `(x * W).sum(-1)`; past it (a
+# prompt's prefill) a matrix product reuses each weight across tokens, which MKL's GEMM does better. Measured on the
+# bench's base shape: fp32 streaming beat MKL at one token only (8 tokens: 55 vs 49 ms a step); int8 streaming beat
+# dequantize-then-GEMM up to 8 tokens (43 vs 101 ms). "float kernel": up to this many tokens a float32 layer takes
+# hf_tfm's native kernel instead of MKL (on the base shape's matrices: 8 tokens 22 vs 41 ms, 32 tokens 52 vs 67).
+STREAMING_TOKENS = {"float": 1, "int8": 8, "float kernel": 32}
+# oneDNN (torch's MKL-DNN) is built into torch's CPU wheels; its float32 product takes the prompts
+ONEDNN = torch.backends.mkldnn.is_available()
+
+
+def _streams(x: torch.Tensor, limit: int) -> bool:
+    # Eagerly `(x * W).sum(-1)` would write a (tokens, out, in) product before summing it: only Inductor fuses the
+    # product into the reduction, so only a compiled step takes this branch.
+    return torch.compiler.is_compiling() and x.shape[:-1].numel() <= limit
+
+
+class StreamingLinear(nn.Linear):
+    """`nn.Linear` whose product for a few tokens reads the weights at the memory's streaming rate: compiled, a single
+    token's `(x * W).sum(-1)`, which Inductor fuses; 2 to `STREAMING_TOKENS["float kernel"]` tokens (a batch
+    decoding together, a short prompt), eagerly or compiled, hf_tfm's native kernel (`hf_tfm.inference.kernels`:
+    float32 on a CPU with AVX-512) where it is built. More tokens (a prompt) take oneDNN's float32 product on a CPU
+    (the same sums in another order; twice MKL's speed on AMD processors, where MKL takes a slower path), else
+    `nn.Linear`'s.
+
+    The same parameters and state dict as `nn.Linear`: `from_linear` swaps the class of a plain one in place."""
+
+    native = False  # whether the kernel is built and takes these inputs (`from_linear` decides it, once)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "StreamingLinear":
+        """`linear` itself, its class swapped (its parameters, hooks and name unchanged)."""
+        linear.__class__ = cls
+        # Decided here, not in forward: a compiled step would graph-break on the kernel's build
+        linear.native = linear.in_features % 16 == 0 and kernels.native_kernels_available()
+        return linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _streams(x, STREAMING_TOKENS["float"]):
+            y = (x.unsqueeze(-2) * self.weight).sum(-1)  # (..., 1, in) * (out, in) -> (..., out)
+        elif self._takes_kernel(x):
+            y = torch.ops.hf_tfm.float_linear(x, self.weight)
+        elif self._takes_onednn(x):
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        else:
+            return F.linear(x, self.weight, self.bias)
+        return y if self.bias is None else y + self.bias
+
+    def _takes_onednn(self, x: torch.Tensor) -> bool:
+        # Eager prompts only: oneDNN's op has no gradient, and a compiled graph keeps the product Inductor chooses
+        return (
+            ONEDNN
+            and x.dtype == self.weight.dtype == torch.float32
+            and x.device.type == "cpu"
+            and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+        )
+
+    def _takes_kernel(self, x: torch.Tensor) -> bool:
+        # The kernel has no gradient: a product that autograd records keeps F.linear
+        return (
+            self.native
+            and x.shape[:-1].numel() <= STREAMING_TOKENS["float kernel"]
+            and x.dtype == self.weight.dtype == torch.float32
+            and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+        )
+
+
+def _group_size(inputs: int, wanted: int) -> int:
+    """A scale group of `wanted` inputs, else of 64 (the native kernel's unit), else the whole row."""
+    return next((size for size in (wanted, GROUP_MULTIPLE) if inputs % size == 0), inputs)
+
+
+class Int8StreamingLinear(nn.Module):
+    """A linear layer with symmetric integer weights and float scales (`weight ≈ integers * weight_scale`), one scale
+    per group of input features (a group may be the whole row): hf_tfm's q8 (`from_linear(bits=8)`: int8, a scale per
+    128 inputs, the bytes of llama.cpp's Q8_0) and q4 (`from_linear(bits=4)`), and a GPTQ / AWQ checkpoint's int4 or
+    int8 values (`from_compressed`).
+
+    On a CPU with float32 inputs it calls hf_tfm's native kernel (`hf_tfm.inference.kernels`: AVX-512 VNNI integer
+    dot products, each token's inputs rounded to int16 per group), eagerly and compiled, for a step and a prompt alike
+    (faster than dequantizing up to 512 tokens at least: 11 vs 14 ms for a 2048 x 768 int4 layer); int4 weights are
+    then packed two to a byte (`weight` (out, in / 2) uint8, `bits == 4`). Without that kernel
+    (another CPU or device, other inputs, groups that are not multiples of 64), int4 values stay one to a byte
+    (`bits == 8`), the compiled step streams up to 8 tokens with a formula Inductor fuses, and more take the
+    dequantized matrix product.
+
+    Decoding only: its state dict cannot be saved (a checkpoint keeps the float or compressed-tensors weights, and
+    `load_for_inference` converts them while loading)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """`weight`: the integers (out, in) as int8; `scale`: (out, groups)."""
+        super().__init__()
+        self.out_features, in_units = weight.shape
+        groups = scale.shape[1]
+        native = (
+            scale.dtype == torch.float32
+            and weight.device.type == "cpu"
+            and (in_units // groups) % GROUP_MULTIPLE == 0
+            and kernels.native_kernels_available()
+        )
+        if native and in_units // groups > GROUP_LIMIT:  # one scale per row of many inputs: the same scale per 64
+            scale = scale.repeat_interleave(in_units // groups // GROUP_MULTIPLE, dim=1)
+        self.native, self.in_features = native, in_units
+        # Storage: int4 values packed two to a byte (without loss) for the kernel, else a byte each
+        int4 = bool(weight.min() >= -8) and bool(weight.max() <= 7)
+        self.bits = 4 if native and int4 and in_units % 64 == 0 else 8
+        self.register_buffer("weight", pack_int4(weight) if self.bits == 4 else weight)  # (out, in * bits / 8)
+        self.register_buffer("weight_scale", scale)  # (out, groups) in the activations' dtype
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear, bits: int = 8) -> "Int8StreamingLinear":
+        """Round `linear`'s weights to the nearest multiple of a scale per group of 128 inputs (64 where 128 does not
+        divide them, else the row): int8 in -127..127 (the group's largest magnitude / 127), or int4 in -8..7 (its
+        largest magnitude / 7.5, as compressed-tensors' symmetric int4)."""
+        weight = linear.weight.float()
+        grouped = weight.unflatten(1, (-1, _group_size(linear.in_features, 128)))  # (out, groups, group)
+        largest = 2 ** (bits - 1) - 1
+        scale = grouped.abs().amax(dim=2).clamp(min=torch.finfo(torch.float32).tiny) / (largest + (bits == 4) / 2)
+        quantized = torch.round(grouped / scale[..., None]).clamp(-largest - 1, largest).flatten(1).to(torch.int8)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(quantized, scale.to(linear.weight.dtype), bias)
+
+    @classmethod
+    @torch.no_grad()
+    def from_compressed(cls, linear: nn.Linear) -> "Int8StreamingLinear":
+        """From a compressed-tensors layer once decompressed: its float weights are its integers times its scales,
+        exactly, so dividing them back gives the integers."""
+        scale = linear.weight_scale.detach()  # (out, groups)
+        units = scale.repeat_interleave(linear.in_features // scale.shape[1], dim=1)
+        quantized = torch.round(linear.weight.float() / units.float()).to(torch.int8)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(quantized, scale.to(linear.weight.dtype).clone(), bias)
+
+    @classmethod
+    def concat(cls, layers: list["Int8StreamingLinear"]) -> "Int8StreamingLinear":
+        """One layer whose outputs are `layers`' outputs side by side: their rows stacked, so a product reads them in
+        one pass (`fuse_projections`). Each output row is computed as in its own layer, to the bit."""
+        bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
+        scale = torch.cat([layer.weight_scale for layer in layers])
+        return cls(torch.cat([layer.integers() for layer in layers]), scale, bias)
+
+    def integers(self) -> torch.Tensor:
+        """The int8 values (out, in), unpacked."""
+        return unpack_int4(self.weight) if self.bits == 4 else self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native and x.dtype == torch.float32 and x.device.type == "cpu":
+            y = torch.ops.hf_tfm.int_linear(x, self.weight, self.weight_scale, self.bits)
+            return y if self.bias is None else y + self.bias
+        scale = self.weight_scale.to(x.dtype)  # (out, groups): each weight times its row's or its group's scale
+        weight = (self.integers().unflatten(-1, (scale.shape[1], -1)) * scale[..., None]).flatten(-2)  # (out, in)
+        # Streamed, Inductor fuses the scaling into its loop and reads 1 byte a weight; else a dequantized product
+        streams = _streams(x, STREAMING_TOKENS["int8"])
+        y = (x.unsqueeze(-2) * weight).sum(-1) if streams else F.linear(x, weight)  # (..., 1, in) * (out, in)
+        return y if self.bias is None else y + self.bias
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:  # torch.save, save_pretrained, PEFT
+        raise NotImplementedError(
+            "hf_tfm's int8 streaming weights are for decoding only and cannot be saved: save the float model, and "
+            "load it with hf_tfm.load_for_inference(folder, quantize='q8') (quantized while loading, in seconds)"
+        )
+
+    def extra_repr(self) -> str:
+        groups = self.weight_scale.shape[1]
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            + (f"groups={groups}" if groups > 1 else "scale per row")
+            + f", bits={self.bits}"
+            + (", native kernel" if self.native else "")
+        )
+
+
+def _fusable(layers: list[nn.Module]) -> bool:
+    """Whether `layers` read the same inputs the same way: integer layers with the same inputs, scale groups, storage
+    and kernel, all with a bias or none."""
+    first = layers[0]
+    return all(
+        type(layer) is Int8StreamingLinear
+        and (layer.in_features, layer.weight_scale.shape[1], layer.weight_scale.dtype, layer.native, layer.bits)
+        == (first.in_features, first.weight_scale.shape[1], first.weight_scale.dtype, first.native, first.bits)
+        and (layer.bias is None) == (first.bias is None)
+        for layer in layers
+    )
+
+
+def fuse_projections(model: nn.Module) -> nn.Module:
+    """Give each self-attention block one `qkv_proj` for its q, k and v layers, and each gated feed-forward one
+    `gate_up_proj` for gate and up, where they are `Int8StreamingLinear` layers alike (`_fusable`); in place, returns
+    `model`. A decode step then reads each block's weights in 4 passes instead of 7 (the bench's base shape, q4: 49
+    kernel calls a token instead of 85; timed alone, those calls took 1.45 ms instead of 1.6-1.75). Only for these
+    layers, which are never saved: a float model keeps its layers, so checkpoints, PEFT and tensor parallelism see
+    the usual names."""
+    for module in list(model.modules()):
+        # The modeling's attention and MLP declare the fused slots as None; cross-attention has two sources
+        if getattr(module, "qkv_proj", False) is None and not module.is_cross_attention:
+            layers = [module.q_proj, module.k_proj, module.v_proj]
+            if _fusable(layers):
+                module.qkv_proj = Int8StreamingLinear.concat(layers)
+                module.qkv_sizes = tuple(layer.out_features for layer in layers)
+                del module.q_proj, module.k_proj, module.v_proj
+        if getattr(module, "gate_up_proj", False) is None and module.gate_proj is not None:
+            layers = [module.gate_proj, module.up_proj]
+            if _fusable(layers):
+                module.gate_up_proj = Int8StreamingLinear.concat(layers)
+                del module.gate_proj, module.up_proj
+    return model
+
+
+def plain_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, name, module) of every `nn.Linear` whose weight is an ordinary tensor: a quantizer's layers (their own
+    classes, tensor subclasses such as torchao's, or compressed-tensors' scheme) keep their own kernels."""
+    found = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            plain = type(child) in (nn.Linear, StreamingLinear) and not hasattr(child, "quantization_scheme")
+            if plain and type(child.weight.data) is torch.Tensor:
+                found.append((parent, name, child))
+    return found
+
+
+__all__ = ["STREAMING_TOKENS", "Int8StreamingLinear", "StreamingLinear", "fuse_projections", "plain_linears"]
