@@ -5,6 +5,7 @@
     hf-tfm finetune --train-file F ...         a sequence classifier on your labelled data (full or LoRA)
     hf-tfm pretrain|finetune --task seq2seq    an encoder-decoder on your source/target pairs
     hf-tfm generate DIR --prompt TEXT          streamed sampling from a causal LM folder (or a seq2seq one's output)
+    hf-tfm compile DIR                         compile a causal LM folder's decode steps for this machine, once
     hf-tfm classify DIR TEXT... | --file F     labels and scores from a classifier folder
     hf-tfm push DIR --repo-id ID               upload a folder to the Hugging Face Hub (HF_ENDPOINT is honoured)
     hf-tfm serve DIR [-- ENGINE_ARGS]          an OpenAI-compatible server (vLLM or transformers serve)
@@ -31,6 +32,7 @@ from typing import Any
 from .commands import (
     calibrate,
     classify,
+    compile,
     convert,
     demo,
     export,
@@ -50,6 +52,7 @@ COMMANDS = {
     "pretrain": pretrain,
     "finetune": finetune,
     "generate": generate,
+    "compile": compile,
     "classify": classify,
     "push": push,
     "serve": serve,

@@ -11,6 +11,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from types import ModuleType
@@ -24,6 +25,12 @@ import torch
 if worker := os.environ.get("PYTEST_XDIST_WORKER"):
     modules = os.environ.get("HF_MODULES_CACHE", str(Path.home() / ".cache" / "huggingface" / "modules"))
     os.environ["HF_MODULES_CACHE"] = f"{modules}-{worker}"
+
+# Compiled decode steps go to a store of the suite's own (shared by its workers and kept between runs: an entry is
+# found only by a model of the same layout and code, so a stale one is never used), never the user's; a test's first
+# generate() waits for its step, as the tests of the compiled step expect (tests/test_step_store.py tests both).
+os.environ.setdefault("HF_TFM_CACHE", str(Path(tempfile.gettempdir()) / f"hf_tfm-tests-{os.getuid()}"))
+os.environ.setdefault("HF_TFM_COMPILE_IN_BACKGROUND", "0")
 
 import hf_tfm  # noqa: F401  (registers the Auto classes)
 from hf_tfm import TfmConfig, TfmSeq2SeqConfig
@@ -61,6 +68,11 @@ CI_ONLY = {
     "test_client_trl.py": (r"test_remote_code", "a fresh process without hf_tfm"),
     "test_client_lm_eval.py": (r"test_remote_code", "a fresh process without hf_tfm"),
     "test_client_sentence_transformers.py": (r"test_remote_code", "a fresh process without hf_tfm"),
+    "test_step_store.py": (
+        r"test_a_second_process|test_a_damaged_entry|test_each_batch_size|test_cli_compile",
+        "a compile of its own each (tens of seconds), several processes",
+    ),
+    "test_speculative.py": (r"test_assisted.*\[q|test_cli", "a compile per quantize setting"),
     "test_export_executorch.py": (
         r"test_export_generates_as_generate\[(?!llama-gqa)|test_encoder_export_matches_on_a_padded_batch\[(?!rope-gqa)"
         r"|test_encoder_runner|test_cli_export|test_folder_export",

@@ -79,7 +79,8 @@ def test_step_logits_equal_the_forward_s(lm):
         output_logits=True,
         return_dict_in_generate=True,
     )
-    torch.testing.assert_close(torch.stack(fast.logits), torch.stack(eager.logits), atol=1e-5, rtol=0)
+    # float32 sums in another order: a few units in the last place of the larger logits
+    torch.testing.assert_close(torch.stack(fast.logits), torch.stack(eager.logits), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

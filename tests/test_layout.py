@@ -20,8 +20,8 @@ LAYERS = [
     {"tokenization", "data", "training", "programs", "exporters.registry"},
     # the inference wing, bottom to top: kernels, layers, the quantize table and attention, the step, the loader
     {"inference.kernels"},
-    {"inference.layers"},
-    {"inference.quantize", "inference.attention"},
+    {"inference.layers", "inference.step_store"},
+    {"inference.quantize", "inference.attention", "inference.cache"},
     {"inference.aot"},
     {"inference.load", "inference"},
     # the model's routes out and the helpers built on it
@@ -44,6 +44,7 @@ LAYERS = [
     {
         "commands.calibrate",
         "commands.classify",
+        "commands.compile",
         "commands.convert",
         "commands.demo",
         "commands.export",

@@ -36,6 +36,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--seed", type=int)
     p.add_argument("--no-stream", action="store_true", help="print the text once at the end")
     p.add_argument(
+        "--draft",
+        metavar="FOLDER",
+        help="speculative decoding: a smaller causal LM folder on the same tokenizer drafts tokens that the model "
+        "checks several at a time (loaded with the same --quantize and --dtype; docs/speculative.md)",
+    )
+    p.add_argument(
+        "--prompt-lookup",
+        type=int,
+        metavar="K",
+        help="speculative decoding without a draft model: up to K tokens copied from where the text repeats itself",
+    )
+    p.add_argument(
         "--quantize",
         choices=list(QUANTIZE_HELP),
         help="quantize the weights while loading, for faster CPU decoding (docs/fast-inference.md): "
@@ -50,8 +62,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--compile",
         action="store_true",
         help="decode with a static cache and a compiled step (hf_tfm.load_for_inference: on a CPU, a causal LM's step "
-        "compiled ahead of time); compiling takes seconds to a minute first (docs/fast-inference.md); always on with "
-        f"--quantize {'/'.join(NATIVE_QUANTIZATION)}",
+        "compiled ahead of time, once per machine and model, beside the first run's decoding; `hf-tfm compile` does "
+        f"it beforehand); always on with --quantize {'/'.join(NATIVE_QUANTIZATION)}",
     )
     return p
 
@@ -62,22 +74,29 @@ def run(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     require_model_dir(args.model)
+    if args.prompt_lookup is not None and args.prompt_lookup < 1:
+        raise CliError(f"--prompt-lookup takes a number of tokens of 1 or more, got {args.prompt_lookup}")
+    if args.draft and args.prompt_lookup:
+        raise CliError("--draft and --prompt-lookup are two ways to draft tokens: pick one")
     tokenizer = load_tokenizer(args.model, args.trust_remote_code)
-    model = _load_model(args)
+    model = _load_model(args, args.model)
+    options = _generation_options(args)
+    if args.draft:
+        options["assistant_model"] = _load_model(args, require_model_dir(args.draft))
     if args.seed is not None:
         torch.manual_seed(args.seed)
     inputs = tokenizer(args.prompt, return_tensors="pt")
     inputs.pop("token_type_ids", None)
     streamer = None if args.no_stream else TextStreamer(tokenizer, skip_special_tokens=True)
     with torch.no_grad():
-        output = model.generate(**inputs, streamer=streamer, **_generation_options(args))
+        output = model.generate(**inputs, streamer=streamer, **options)
     if args.no_stream:
         print(tokenizer.decode(output[0], skip_special_tokens=True))
     return 0
 
 
-def _load_model(args: argparse.Namespace) -> Any:
-    """The model, quantized and compiled as `--quantize`, `--compile` and `--dtype` ask."""
+def _load_model(args: argparse.Namespace, folder: str) -> Any:
+    """The model in `folder`, quantized and compiled as `--quantize`, `--compile` and `--dtype` ask."""
     from ..inference import load_for_inference
     from ..inference.quantize import QuantizationUnavailableError
 
@@ -87,7 +106,7 @@ def _load_model(args: argparse.Namespace) -> Any:
         # hf_tfm's own int8 is made for the compiled step
         compile = args.compile or args.quantize in NATIVE_QUANTIZATION
         return load_for_inference(
-            args.model,
+            folder,
             quantize=args.quantize,
             compile=compile,
             dtype=args.dtype,
@@ -106,4 +125,6 @@ def _generation_options(args: argparse.Namespace) -> dict[str, Any]:
         options.update(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.repetition_penalty is not None:
         options["repetition_penalty"] = args.repetition_penalty
+    if args.prompt_lookup is not None:
+        options["prompt_lookup_num_tokens"] = args.prompt_lookup
     return options

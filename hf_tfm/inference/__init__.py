@@ -5,10 +5,11 @@
 - `layers.py`: the linear layers a step multiplies with (`StreamingLinear`, `Int8StreamingLinear`)
 - `kernels.py` (with `csrc/`): hf_tfm's native CPU kernels behind those layers
 - `attention.py`: the one decode attention, installed by the loader
-- `aot.py`: generate()'s decode step, compiled ahead of time
+- `aot.py`: generate()'s decode step, compiled ahead of time; `step_store.py` keeps it on disk
+- `cache.py`: the static KV cache the step decodes with, croppable and growable for speculative decoding
 """
 
-from .aot import CompiledDecodeStep, install, step_blockers
+from .aot import CompiledDecodeStep, install, precompile, step_blockers
 from .attention import decode_attention
 from .layers import Int8StreamingLinear, StreamingLinear, fuse_projections
 from .load import compile_generation, load_for_inference
@@ -24,6 +25,7 @@ __all__ = [
     "fuse_projections",
     "install",
     "load_for_inference",
+    "precompile",
     "quantization_kwargs",
     "quantize_q4",
     "quantize_q8",

@@ -109,15 +109,20 @@ def _attended_keys(
     return key, value, mask, None
 
 
-def use_decode_attention(model: PreTrainedModel) -> PreTrainedModel:
-    """Give a CPU `model` on sdpa `decode_attention` (registered in transformers' attention and mask registries
-    under `DECODE_ATTENTION` on first use); returns `model`. Other backends (eager, flash) and devices keep theirs."""
+def register_decode_attention() -> None:
+    """Register `decode_attention` in transformers' attention and mask registries under `DECODE_ATTENTION`."""
     if DECODE_ATTENTION not in ALL_ATTENTION_FUNCTIONS:
         ALL_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, decode_attention)
         ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, sdpa_mask)
+
+
+def use_decode_attention(model: PreTrainedModel) -> PreTrainedModel:
+    """Give a CPU `model` on sdpa `decode_attention` (registered on first use); returns `model`. Other backends
+    (eager, flash) and devices keep theirs."""
+    register_decode_attention()
     if model.config._attn_implementation == "sdpa" and model.device.type == "cpu":
         model.set_attn_implementation(DECODE_ATTENTION)
     return model
 
 
-__all__ = ["DECODE_ATTENTION", "decode_attention", "use_decode_attention"]
+__all__ = ["DECODE_ATTENTION", "decode_attention", "register_decode_attention", "use_decode_attention"]

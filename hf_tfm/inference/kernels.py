@@ -35,8 +35,9 @@ GROUP_MULTIPLE = 64  # inputs: a scale group of the kernel is a multiple of this
 GROUP_LIMIT = 4096  # inputs: and at most this many (its int32 sums would overflow past about 8192)
 
 
-def _cpu_fingerprint() -> str:
-    # The build targets this CPU (-march=native): a cache shared by machines of other CPUs must not reuse it
+def cpu_fingerprint() -> str:
+    """The CPU's instruction-set flags: what a build for this CPU (-march=native) depends on, so that a cache shared by
+    machines of other CPUs never reuses it."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -56,7 +57,7 @@ def native_kernels_available() -> bool:
     from torch.utils.cpp_extension import load
 
     sources = b"".join(source.read_bytes() for source in SOURCES)
-    digest = hashlib.sha256(sources + _cpu_fingerprint().encode() + torch.__version__.encode())
+    digest = hashlib.sha256(sources + cpu_fingerprint().encode() + torch.__version__.encode())
     try:
         load(
             name=f"hf_tfm_kernels_{digest.hexdigest()[:12]}",
@@ -97,4 +98,4 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return (nibbles.to(torch.int8) - 8).reshape(out, half * 2)
 
 
-__all__ = ["GROUP_LIMIT", "GROUP_MULTIPLE", "native_kernels_available", "pack_int4", "unpack_int4"]
+__all__ = ["GROUP_LIMIT", "GROUP_MULTIPLE", "cpu_fingerprint", "native_kernels_available", "pack_int4", "unpack_int4"]

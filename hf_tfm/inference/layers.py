@@ -11,6 +11,8 @@ decoding together); and `quantize="q8"` / "q4" store int8 / int4 weights with a 
 dequantized copy. Both kernels are in `hf_tfm.inference.kernels`.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,10 +30,17 @@ STREAMING_TOKENS = {"float": 1, "int8": 8, "float kernel": 32}
 ONEDNN = torch.backends.mkldnn.is_available()
 
 
+def _tokens(x: torch.Tensor) -> int:
+    # math.prod keeps a dynamic size symbolic, where torch.Size.numel() would fix it to the traced value
+    return math.prod(x.shape[:-1])
+
+
 def _streams(x: torch.Tensor, limit: int) -> bool:
     # Eagerly `(x * W).sum(-1)` would write a (tokens, out, in) product before summing it: only Inductor fuses the
-    # product into the reduction, so only a compiled step takes this branch.
-    return torch.compiler.is_compiling() and x.shape[:-1].numel() <= limit
+    # product into the reduction, so only a compiled step takes this branch. A step compiled for a range of token
+    # counts (the verify step's) keeps the product: one branch serves the whole range.
+    tokens = _tokens(x)
+    return torch.compiler.is_compiling() and isinstance(tokens, int) and tokens <= limit
 
 
 class StreamingLinear(nn.Linear):
@@ -79,7 +88,7 @@ class StreamingLinear(nn.Linear):
         # The kernel has no gradient: a product that autograd records keeps F.linear
         return (
             self.native
-            and x.shape[:-1].numel() <= STREAMING_TOKENS["float kernel"]
+            and _tokens(x) <= STREAMING_TOKENS["float kernel"]
             and x.dtype == self.weight.dtype == torch.float32
             and x.device.type == "cpu"
             and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))

@@ -22,6 +22,7 @@ from transformers.utils import logging
 from . import kernels
 from .aot import install, step_blockers
 from .attention import use_decode_attention
+from .cache import use_decode_cache
 from .layers import StreamingLinear, plain_linears
 from .quantize import quantize_setting, stream_compressed
 
@@ -48,6 +49,7 @@ def compile_generation(model: PreTrainedModel) -> PreTrainedModel:
         StreamingLinear.from_linear(linear)
     use_decode_attention(model)
     model.generation_config.cache_implementation = "static"
+    use_decode_cache(model)  # speculative decoding: a cache that crops, grows and passes between a draft's calls
     if quantizer is None and not step_blockers(model):  # a quantizer's tensor subclasses do not export
         return install(model)
     # fullgraph=False: a layer torch cannot trace (a quantizer's kernel, MoE's data-dependent routing) splits the

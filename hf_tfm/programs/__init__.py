@@ -8,10 +8,12 @@ process: it hides the modules the caller blocks, reads `args` as JSON on stdin a
 file the caller reads.
 """
 
+import atexit
 import json
 import os
 import pickle
 import runpy
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,6 +32,74 @@ def program_path(name: str) -> Path:
     return path
 
 
+class ProgramRun:
+    """A program started by `start_program`, running in a process of its own: `done()` says whether it has ended,
+    `result()` waits for it and returns `run(args)`'s result, `cancel()` ends it. Its output goes to files, so a
+    program that prints much never blocks on a pipe nobody reads."""
+
+    def __init__(
+        self, name: str, args: dict[str, Any], runtime: str, python: str, blocked: tuple[str, ...], env
+    ) -> None:
+        self.runtime, self.what = runtime, args.get("path", name)
+        program = program_path(name)
+        self._folder = Path(tempfile.mkdtemp(prefix="hf_tfm_program_"))
+        self._result = self._folder / "result.pkl"
+        command = [python, str(LAUNCHER), str(program), str(self._result), *blocked]
+        with (self._folder / "stdout").open("w") as out, (self._folder / "stderr").open("w") as err:
+            self._process = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=out, stderr=err, text=True, env=env
+            )
+        self._process.stdin.write(json.dumps(args))
+        self._process.stdin.close()
+        # A program may outlive this process (a compile that stores its result for the next one): its output goes then
+        atexit.register(shutil.rmtree, self._folder, True)
+
+    def done(self) -> bool:
+        return self._process.poll() is not None
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The program's result, once it has ended. A failing program raises `RuntimeError` naming the runtime, what
+        it ran on (`args["path"]`) and its error; one still running after `timeout` seconds is ended and raises
+        `subprocess.TimeoutExpired`."""
+        try:
+            code = self._process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.cancel()
+            raise
+        try:
+            if code != 0 or not self._result.is_file():
+                stderr = (self._folder / "stderr").read_text(errors="replace").strip()
+                raise RuntimeError(f"{self.runtime} failed on {self.what}: {stderr[-2000:]}")
+            with self._result.open("rb") as file:
+                return pickle.load(file)  # written just now by our own child process
+        finally:
+            shutil.rmtree(self._folder, ignore_errors=True)
+
+    def cancel(self) -> None:
+        """End the program (if it still runs) and forget its output."""
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def start_program(
+    name: str,
+    args: dict[str, Any],
+    runtime: str,
+    *,
+    python: str | None = None,
+    blocked: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> ProgramRun:
+    """Start `run(args)` of the program `name` in a process of its own and return at once: run by `python` (default:
+    this interpreter), where each module in `blocked` cannot be imported (what runs is what a deployment without it
+    runs), with `env` added to this environment. `args` go in as JSON, the result comes back pickled (lists, arrays,
+    or tensors where the program has torch)."""
+    environment = None if env is None else {**os.environ, **env}
+    return ProgramRun(name, args, runtime, python or sys.executable, blocked, environment)
+
+
 def run_program(
     name: str,
     args: dict[str, Any],
@@ -41,32 +111,15 @@ def run_program(
     env: dict[str, str] | None = None,
     timeout: float | None = None,
 ) -> Any:
-    """`run(args)` of the program `name`, in a process of its own by default: run by `python` (default: this
-    interpreter), where each module in `blocked` cannot be imported (what runs is what a deployment without it runs),
-    with `env` added to this environment. `args` go in as JSON, the result comes back pickled (lists, arrays, or
-    tensors where the program has torch). `fresh_process=False` runs it here, for tests (nothing blocked).
+    """`run(args)` of the program `name`, waited for: `start_program(...).result(timeout)`. `fresh_process=False` runs
+    it here instead, for tests (nothing blocked).
 
     A failing program raises `RuntimeError` naming `runtime`, `args["path"]` and its error; one that runs past
     `timeout` seconds, `subprocess.TimeoutExpired`.
     """
-    path = program_path(name)
     if not fresh_process:
-        return runpy.run_path(str(path))["run"](args)
-    with tempfile.TemporaryDirectory(prefix="hf_tfm_program_") as tmp:
-        result_file = Path(tmp) / "result.pkl"
-        done = subprocess.run(
-            [python or sys.executable, str(LAUNCHER), str(path), str(result_file), *blocked],
-            input=json.dumps(args),
-            capture_output=True,
-            text=True,
-            env=None if env is None else {**os.environ, **env},
-            timeout=timeout,
-            check=False,
-        )
-        if done.returncode != 0 or not result_file.is_file():
-            raise RuntimeError(f"{runtime} failed on {args['path']}: {done.stderr.strip()[-2000:]}")
-        with result_file.open("rb") as file:
-            return pickle.load(file)  # written just now by our own child process
+        return runpy.run_path(str(program_path(name)))["run"](args)
+    return start_program(name, args, runtime, python=python, blocked=blocked, env=env).result(timeout)
 
 
-__all__ = ["program_path", "run_program"]
+__all__ = ["ProgramRun", "program_path", "run_program", "start_program"]
