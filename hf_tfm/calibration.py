@@ -158,7 +158,7 @@ def calibrate(
 
 def _calibration_blocks(tokenizer: Any, texts: list[str] | None, samples: int, max_length: int) -> list[list[int]]:
     from .data import stdlib_files
-    from .recipes import pack_texts
+    from .training import pack_texts
 
     if texts is None:  # about 4 characters a token: enough files for the blocks, with room to spare
         texts = [f.text for f in stdlib_files(max_chars=8 * samples * max_length, max_file_chars=20_000)]

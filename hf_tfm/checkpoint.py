@@ -38,7 +38,7 @@ def staged_folder(
     A reader, or a run that fails or is killed midway, finds the old folder or the new one, never a mix. `keep` picks,
     by name, the old folder's entries to carry into the new one where it has none of that name (hard-linked); without
     it nothing of the old folder is kept. Whether an existing `target` may be replaced at all is the caller's decision
-    (the CLI's: `hf_tfm.recipes.check_output_dir`). Where no folder can be renamed into `target`'s place (a mount
+    (the CLI's: `hf_tfm.training.check_output_dir`). Where no folder can be renamed into `target`'s place (a mount
     point, a parent folder that is not writable) this raises `OSError`, or with `in_place_fallback` warns and yields
     `target` itself.
     """

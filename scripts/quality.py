@@ -35,8 +35,8 @@ from hf_tfm import TfmConfig, TfmForCausalLM, load_for_inference
 from hf_tfm.calibration import METHODS, calibrate
 from hf_tfm.data import stdlib_files
 from hf_tfm.quantization import NATIVE_SETTINGS
-from hf_tfm.recipes import TrainSettings, pack_texts, pretrain_causal_lm
 from hf_tfm.tokenization import train_bpe_tokenizer
+from hf_tfm.training import TrainSettings, pack_texts, pretrain_causal_lm
 
 # The model: the bench's `small` width and depth (the 4-bit kernels need whole blocks: bitsandbytes' output sizes
 # divisible by 32, quanto's int4 groups of 128 input features, hence an intermediate size of 3 x hidden).

@@ -17,7 +17,16 @@ PACKAGE = ROOT / "hf_tfm"
 LAYERS = [
     # what a saved folder carries as remote code, and what needs nothing of hf_tfm
     {"configuration", "checkpoint", "distributed", "modeling"},
-    {"kernels", "quantization", "tokenization", "data", "training", "programs", "exporters.registry"},
+    {
+        "kernels",
+        "quantization",
+        "tokenization",
+        "data",
+        "training.collator",
+        "training.threads",
+        "programs",
+        "exporters.registry",
+    },
     # the model's routes out and the helpers built on it
     {"checks", "presets", "aot", "from_torch", "inference"},
     {"convert.core", "convert.fields", "convert.llama_like", "convert.bart", "convert.bert"},
@@ -33,7 +42,22 @@ LAYERS = [
     {"exporters._common", "exporters.gguf_vocab"},
     {"exporters.gguf", "exporters.onnx", "exporters.ctranslate2", "exporters.executorch", "exporters"},
     # the steps behind the commands, then the commands, then the entry point
-    {"recipes", "calibration", "info"},
+    {
+        "training",
+        "training.output_dir",
+        "training.trainer",
+        "training.lora",
+        "training.metrics",
+        "training.generation",
+        "training.plots",
+        "training.model_card",
+        "training.causal_lm",
+        "training.classifier",
+        "training.seq2seq",
+        "training.job",
+        "calibration",
+        "info",
+    },
     {"commands", "commands.common", "commands.training_options"},
     {
         "commands.calibrate",

@@ -106,8 +106,8 @@ def test_standalone_generate_loads_the_folders_own_code(tmp_path):
     import torch
 
     import hf_tfm
-    from hf_tfm.recipes import generate_in_fresh_process
     from hf_tfm.tokenization import train_bpe_tokenizer
+    from hf_tfm.training import generate_in_fresh_process
 
     tokenizer = train_bpe_tokenizer(["def add(a, b):\n    return a + b\n"] * 20, vocab_size=300)
     torch.manual_seed(0)
