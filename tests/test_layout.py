@@ -28,8 +28,8 @@ LAYERS = [
         "exporters.registry",
     },
     # the model's routes out and the helpers built on it
-    {"checks", "presets", "aot", "from_torch", "inference"},
-    {"convert.core", "convert.fields", "convert.llama_like", "convert.bart", "convert.bert"},
+    {"checks", "presets", "aot", "inference"},
+    {"convert.core", "convert.fields", "convert.from_torch", "convert.llama_like", "convert.bart", "convert.bert"},
     {
         "convert",
         "convert.gpt2",
