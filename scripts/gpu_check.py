@@ -2,8 +2,8 @@
 """One command for a CUDA machine: hf_tfm against transformers' in-tree models in bf16, in four independent sections.
 
 - ``training``: a train step (forward, backward, AdamW) of ``TfmForCausalLM`` and of in-tree ``LlamaForCausalLM`` with
-  the same weights (``bench.build_pair``: the Llama built from its config, hf_tfm from ``hf_tfm.from_hf`` of it), at a
-  shape that fills the GPU (24 layers of width 2048, sequence 2048, batch 8 by default; the batch halves after an
+  the same weights (``benchmark.build_pair``: the Llama built from its config, hf_tfm from ``from_hf`` of it), at
+  a shape that fills the GPU (24 layers of width 2048, sequence 2048, batch 8 by default; the batch halves after an
   out-of-memory error). Four variants: eager and compiled, activation checkpointing off and on. In each, both models
   start from the same weights and take ``--steps`` steps on the same batches, interleaved (A B, then B A): the losses
   must agree within bf16 tolerance at every step. Reported: step time ratio, tokens/s, MFU against the chip's dense
@@ -31,9 +31,9 @@ runs it (tests/test_gpu_check.py). Without it and without CUDA the script refuse
 Usage: ``python scripts/gpu_check.py --out scripts/results/gpu_check.json``. See ``--help``.
 """
 
-# Only the standard library and torch are imported here. bench.py, transformers and hf_tfm are imported inside the
-# functions that use them, after `main` has checked for CUDA: their imports print warnings (torchao's, where it is
-# installed) that would bury the one-line refusal.
+# Only the standard library and torch are imported here. The benchmark package, transformers and hf_tfm are imported
+# inside the functions that use them, after `main` has checked for CUDA: their imports print warnings (torchao's,
+# where it is installed) that would bury the one-line refusal.
 from __future__ import annotations
 
 import argparse
@@ -55,10 +55,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench.py sits next to this script
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the benchmark package sits next to this script
 
 if TYPE_CHECKING:
-    from bench import Pair
+    from benchmark import Pair
     from transformers import CompileConfig
     from transformers.generation.utils import GenerateOutput
 
@@ -69,7 +69,7 @@ DTYPE = torch.bfloat16
 # rest.
 SECTIONS = {"training": 0.45, "attention": 0.12, "encoder_moe": 0.10, "decoding": 0.33}
 # Shapes: the GPU run (the training shape fills an H200; the other sections use `aux_layers` layers of the same width
-# so their compiles fit the budget) and the dry run (bench.py's `tiny` widths).
+# so their compiles fit the budget) and the dry run (the benchmark's `tiny` widths).
 SHAPES = {
     "gpu": {
         "layers": 24,
@@ -100,7 +100,7 @@ SHAPES = {
         "budget_s": 600.0,  # not meant to bind: the dry run's job is to run every path
     },
 }
-# bench.in_tree_model gives every model max_position_embeddings=512: BERT's and BART's learned positions end there
+# benchmark.in_tree_model gives every model max_position_embeddings=512: BERT's and BART's learned positions end there
 # (RoPE models read it only for dynamic RoPE scaling, which these configs do not use).
 LEARNED_POSITIONS = 512
 # The loss is an fp32 mean over thousands of tokens of bf16 logits: their roundings (2^-8 relative) average out, and
@@ -252,7 +252,7 @@ def write_report(path: str, report: dict) -> None:
 
 
 def run(args: argparse.Namespace, device: str, argv: list[str]) -> dict:
-    import bench
+    import benchmark
     import transformers
 
     warnings.filterwarnings("ignore")
@@ -266,7 +266,7 @@ def run(args: argparse.Namespace, device: str, argv: list[str]) -> dict:
     torch._dynamo.config.recompile_limit = 64
     args.peak_flops, args.peak_source = peak_flops(args, device)
     report = {
-        "machine": bench.machine_info(device),
+        "machine": benchmark.machine_info(device),
         "command": " ".join(["scripts/gpu_check.py", *argv]),
         "dry_run": args.dry_run,
         "dtype": str(DTYPE),
@@ -319,13 +319,13 @@ def run(args: argparse.Namespace, device: str, argv: list[str]) -> dict:
 
 
 def peak_flops(args: argparse.Namespace, device: str) -> tuple[float | None, str]:
-    import bench
+    import benchmark
 
     if args.peak_tflops:
         return args.peak_tflops * 1e12, "--peak-tflops"
     if device == "cuda":
         name = torch.cuda.get_device_name()
-        peak = bench.gpu_peak_bf16_flops(name)
+        peak = benchmark.gpu_peak_bf16_flops(name)
         return peak, f"{name} dense bf16" if peak else f"{name}: unknown peak, no MFU"
     return H200_PEAK, "H200 dense bf16, nominal (dry run on a CPU: the MFU figure is meaningless)"
 
@@ -335,21 +335,21 @@ def peak_flops(args: argparse.Namespace, device: str) -> tuple[float | None, str
 
 
 def build_pair(name: str, layers: int, args: argparse.Namespace, device: str) -> Pair:
-    """bench.py's pair `name` (the in-tree model and `from_hf` of it, same weights, sdpa) at this run's width, built on
-    `device` (initialising 1B parameters on the CPU first would take most of a section's time)."""
-    import bench
+    """The benchmark's pair `name` (the in-tree model and `from_hf` of it, same weights, sdpa) at this run's width,
+    built on `device` (initialising 1B parameters on the CPU first would take most of a section's time)."""
+    import benchmark
 
     # bench's pairs are keyed by size name: this script's sizes are registered under names of their own.
     size = f"gpu_check_{layers}x{args.hidden}"
-    bench.SIZES[size] = {"hidden": args.hidden, "layers": layers, "heads": args.heads, "vocab": args.vocab}
-    bench.SHAPES[size] = {"batch": args.batch, "seq": args.seq, "prompt": args.prompt, "new": args.new}
+    benchmark.SIZES[size] = {"hidden": args.hidden, "layers": layers, "heads": args.heads, "vocab": args.vocab}
+    benchmark.SHAPES[size] = {"batch": args.batch, "seq": args.seq, "prompt": args.prompt, "new": args.new}
     torch.manual_seed(0)
     with torch.device(device):
-        return bench.build_pair(name, size, DTYPE, "sdpa", device)
+        return benchmark.build_pair(name, size, DTYPE, "sdpa", device)
 
 
 def optimizer(model: nn.Module, device: str) -> torch.optim.Optimizer:
-    # fused: one kernel per step on CUDA, as a GPU run would use; foreach on the CPU, as bench.py's steps
+    # fused: one kernel per step on CUDA, as a GPU run would use; foreach on the CPU, as the benchmark's steps
     fused = {"fused": True} if device == "cuda" else {"foreach": True}
     return torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
 
@@ -466,7 +466,7 @@ def losses_agree(result: dict, losses: dict[str, list[float]], steps: int) -> bo
 
 def section_training(args: argparse.Namespace, device: str, deadline: Deadline) -> dict:
     """hf_tfm and in-tree Llama train steps, interleaved, in 4 variants; see the module docstring."""
-    import bench
+    import benchmark
 
     log(f"  building the Llama pair ({args.layers} x {args.hidden}) ...")
     pair = build_pair("llama", args.layers, args, device)
@@ -475,7 +475,7 @@ def section_training(args: argparse.Namespace, device: str, deadline: Deadline) 
     out = {
         "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "vocab": args.vocab},
         "in_tree": pair.theirs_name,
-        "params": bench.n_params(pair.ours),
+        "params": benchmark.n_params(pair.ours),
         "peak_flops": args.peak_flops,
         "peak_flops_source": args.peak_source,
         "variants": [],
@@ -498,13 +498,13 @@ def section_training(args: argparse.Namespace, device: str, deadline: Deadline) 
             steps[side] = train_step(model, device, batches, losses[side], logits=logits[side])
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        times = bench.interleaved(steps, args.steps)
+        times = benchmark.interleaved(steps, args.steps)
         first_logits = logits_diff(logits["ours"].pop(), logits["theirs"].pop())
         shp = {"batch": batch, "seq": args.seq}
-        # Model FLOPs per step (bench.train_flops): 6 x tokens x N, N the matmul parameters (every linear and the LM
-        # head; not the embedding lookup), plus attention's two GEMMs (scores and values) at 6 x 2 x batch x heads x
+        # Model FLOPs per step (benchmark.train_flops): 6 x tokens x N, N the matmul parameters (every linear and the
+        # LM head; not the embedding lookup), plus attention's two GEMMs (scores and values) at 6 x 2 x batch x heads x
         # head_dim x layers per (query, key) pair, over seq^2 / 2 pairs (causal). MFU = that / step time / peak.
-        flops = bench.train_flops(pair, shp)
+        flops = benchmark.train_flops(pair, shp)
         result = {"batch": batch, "seq": args.seq, "tokens_per_step": batch * args.seq, "flops_per_step": flops}
         result["device_peak_bytes"] = torch.cuda.max_memory_allocated() if device == "cuda" else None
         timed_sides(result, times, batch * args.seq, skip_first=True)  # the first step compiles / warms up
@@ -514,7 +514,7 @@ def section_training(args: argparse.Namespace, device: str, deadline: Deadline) 
             r["flops_per_s"] = flops / r["median_s"]
             r["mfu"] = r["flops_per_s"] / args.peak_flops if args.peak_flops else None
             # above what was live at the step's start (weights, AdamW state): activations, gradients, temporaries
-            r["peak_step_bytes"] = bench.peak_step_memory(steps[side], device)
+            r["peak_step_bytes"] = benchmark.peak_step_memory(steps[side], device)
         losses_agree(result, losses, args.steps)
         result["first_step_logits"] = first_logits
         return result
@@ -542,7 +542,7 @@ def section_training(args: argparse.Namespace, device: str, deadline: Deadline) 
 
 def section_attention(args: argparse.Namespace, device: str, deadline: Deadline) -> dict:
     """Each attention backend against eager on the same bf16 model, per case; see the module docstring."""
-    import bench
+    import benchmark
 
     from hf_tfm import TfmConfig, TfmForCausalLM
 
@@ -590,7 +590,7 @@ def section_attention(args: argparse.Namespace, device: str, deadline: Deadline)
             def call() -> torch.Tensor:
                 with torch.inference_mode():
                     logits = model(input_ids=ids, attention_mask=mask).logits
-                bench.sync(device)
+                benchmark.sync(device)
                 return logits
 
             return call
@@ -627,7 +627,7 @@ def section_attention(args: argparse.Namespace, device: str, deadline: Deadline)
                 expected = got  # eager, the first backend
             rec.update(status="ran", **logits_diff(got, expected))
             steps[backend] = forward(model)
-        times = bench.interleaved(steps, args.rounds)
+        times = benchmark.interleaved(steps, args.rounds)
         for backend, ts in times.items():
             results[backend]["median_ms"] = statistics.median(ts) * 1e3
             results[backend]["speedup_vs_eager"] = statistics.median(times["eager"]) / statistics.median(ts)
@@ -647,7 +647,7 @@ def section_attention(args: argparse.Namespace, device: str, deadline: Deadline)
 def section_encoder_moe(args: argparse.Namespace, device: str, deadline: Deadline) -> dict:
     """One bf16 train step of the encoder classifier and of the MoE model, then their speed against the in-tree
     models'; see the module docstring."""
-    import bench
+    import benchmark
 
     out = {"models": {}, "verdicts": {}}
     seq_cls = min(args.seq, LEARNED_POSITIONS)
@@ -663,7 +663,7 @@ def section_encoder_moe(args: argparse.Namespace, device: str, deadline: Deadlin
         def at(batch: int) -> dict:
             ids = random_ids(batch, seq, args.vocab, device, seed=0)
             if family == "bert":
-                labels = torch.randint(0, bench.NUM_LABELS, (batch,), generator=torch.Generator().manual_seed(1))
+                labels = torch.randint(0, benchmark.NUM_LABELS, (batch,), generator=torch.Generator().manual_seed(1))
                 data = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels.to(device)}
             else:
                 data = {"input_ids": ids, "labels": ids, "use_cache": False}
@@ -682,7 +682,7 @@ def section_encoder_moe(args: argparse.Namespace, device: str, deadline: Deadlin
                 math.isfinite(x) and result["grads"][side]["finite"] for side, x in result["first_loss"].items()
             )
             result["first_loss_close"] = abs(ours - theirs) <= LOSS_RTOL * abs(theirs)
-            timed_sides(result, bench.interleaved(steps, args.rounds), batch * seq)
+            timed_sides(result, benchmark.interleaved(steps, args.rounds), batch * seq)
             return result
 
         result = halving(at, batch, list(sides.values()), device)
@@ -691,7 +691,7 @@ def section_encoder_moe(args: argparse.Namespace, device: str, deadline: Deadlin
             in_tree=pair.theirs_name,
             is_causal=pair.ours.config.is_causal,
             num_experts=pair.ours.config.num_experts,
-            params=bench.n_params(pair.ours),
+            params=benchmark.n_params(pair.ours),
         )
         return result
 
@@ -712,7 +712,7 @@ def section_encoder_moe(args: argparse.Namespace, device: str, deadline: Deadlin
 def generate(
     model: nn.Module, ids: torch.Tensor, new: int, compile_config: CompileConfig | None, logits: bool = False
 ) -> torch.Tensor | GenerateOutput:
-    """Greedy generate() of exactly `new` tokens (bench.build_pair removed EOS); with `compile_config`: a static
+    """Greedy generate() of exactly `new` tokens (benchmark.build_pair removed EOS); with `compile_config`: a static
     cache and compiled decode steps; with `logits`: the output with each step's logits, else the tokens."""
     extra = {} if compile_config is None else {"cache_implementation": "static", "compile_config": compile_config}
     if logits:
@@ -749,7 +749,7 @@ def greedy_agreement(a: GenerateOutput, b: GenerateOutput) -> dict:
 
 def section_decoding(args: argparse.Namespace, device: str, deadline: Deadline) -> dict:
     """Eager and compiled greedy decoding, hf_tfm against in-tree Llama and BART; see the module docstring."""
-    import bench
+    import benchmark
     from transformers import CompileConfig
 
     out = {"prompt": args.prompt, "new": args.new, "layers": args.aux_layers, "cases": [], "verdicts": {}}
@@ -772,15 +772,15 @@ def section_decoding(args: argparse.Namespace, device: str, deadline: Deadline) 
             config = configs[side] if mode == "compiled" else None
             t0 = time.perf_counter()
             first[key] = generate(models[side], ids, args.new, config, logits=True)
-            bench.sync(device)
+            benchmark.sync(device)
             result["warmup_s"][key] = time.perf_counter() - t0
 
             def step(model=models[side], key=key, config=config):
                 tokens[key] = generate(model, ids, args.new, config)
-                bench.sync(device)
+                benchmark.sync(device)
 
             steps[key] = step
-        times = bench.interleaved(steps, args.rounds)
+        times = benchmark.interleaved(steps, args.rounds)
         for mode in ("eager", "compiled"):
             result[mode] = {
                 side: {"ms_per_token": statistics.median(times[f"{side}_{mode}"]) / args.new * 1e3} for side in models

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import transformers
-from bench import DECODE_SETTINGS, calibration_python, load_setting, machine_info
+from benchmark import DECODE_SETTINGS, calibration_python, in_process, load_setting, machine_info
 
 from hf_tfm import TfmConfig, TfmForCausalLM, load_for_inference
 from hf_tfm.calibration import METHODS, calibrate
@@ -94,7 +94,7 @@ def score(model, blocks: list[list[int]], reference: list[torch.Tensor] | None, 
 
 
 # `--runtimes`: the same fp32 folder exported to each runtime and scored there (ONNX Runtime and CTranslate2 in a
-# process of their own, through scripts/bench_runtime_worker.py); GGUF files read back by transformers' GGUF loader,
+# process of their own, through the benchmark's runtime worker); GGUF files read back by transformers' GGUF loader,
 # which dequantizes them: the cost of llama.cpp's weight rounding, computed in PyTorch.
 RUNTIME_SETTINGS = {
     "onnx_float32": ("onnx", None, "ONNX Runtime, float32 graphs"),
@@ -134,8 +134,6 @@ def load_calibrated(folder: str, method: str, seq_len: int, size: str) -> torch.
 
 def score_runtime(setting: str, folder: str, blocks: list[list[int]], fp32: dict, threads: int) -> dict:
     """Perplexity and greedy agreement of `setting`'s export of `folder`, as `score` reports them."""
-    import subprocess
-
     from transformers import AutoModelForCausalLM
 
     from hf_tfm.exporters import export
@@ -149,19 +147,7 @@ def score_runtime(setting: str, folder: str, blocks: list[list[int]], fp32: dict
         return score(model.eval(), blocks, fp32["argmax"])
     reference = [row for batch in fp32["argmax"] for row in batch.tolist()]
     request = {"mode": "score", "format": fmt, "path": str(out), "blocks": blocks, "reference": reference}
-    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_runtime_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    done = subprocess.run(
-        [sys.executable, worker],
-        input=json.dumps({**request, "threads": threads}),
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "the worker failed")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = in_process(request, threads)
     perplexity = math.exp(result["nll"] / result["count"])
     return {"perplexity": perplexity, "greedy_agreement": result["agree"] / result["count"]}
 

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from ..checkpoint import staged_file
 from ..checks import Need, need, need_all, need_default_head_dim, need_no_gqa, need_rope
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
 from ..programs import run_program
@@ -541,29 +542,20 @@ def export_gguf(
     name = Path(source).name if source else "hf_tfm"
     with torch.no_grad():
         tensors = _tensors(model, arch)
-    # Written beside the output and renamed at the end: a failed export leaves no file, an old one stays whole.
-    tmp, f32 = (_sibling(out, suffix) for suffix in (".tmp", ".f32.tmp"))
-    writer = gguf.GGUFWriter(f32 if python else tmp, arch)
-    try:
-        _write(writer, gguf, config, arch, tensors, vocab, "f32" if python else qtype, name)
+    # Written beside the output and renamed at the end (`staged_file`): a failed export leaves no file, an old one
+    # stays whole. llama.cpp's quantizer reads an F32 file, written first in a scratch folder beside the output.
+    with staged_file(out) as tmp, tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as scratch:
+        f32 = Path(scratch) / "f32.gguf"
+        writer = gguf.GGUFWriter(f32 if python else tmp, arch)
+        try:
+            _write(writer, gguf, config, arch, tensors, vocab, "f32" if python else qtype, name)
+        except BaseException:
+            writer.close()
+            raise
         if python:  # llama.cpp's quantizer rewrites the F32 file, in a process of its own
             args = {"task": "quantize", "path": str(f32), "out": str(tmp), "ftype": LLAMA_CPP_QUANTIZED[qtype]}
             run_program("llama_cpp_side", {**args, "threads": torch.get_num_threads()}, RUNTIME, python=python)
-        os.replace(tmp, out)
-    except BaseException:
-        writer.close()
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    finally:
-        Path(f32).unlink(missing_ok=True)
     return out
-
-
-def _sibling(out: Path, suffix: str) -> Path:
-    """A new empty file beside `out`, hidden, for a write that is renamed to `out` once complete."""
-    fd, path = tempfile.mkstemp(prefix=f".{out.name}.", suffix=suffix, dir=out.parent)
-    os.close(fd)
-    return Path(path)
 
 
 def llama_cpp_python() -> str | None:

@@ -1,13 +1,15 @@
-"""Programs that run in a process of their own, by path, and the one way hf_tfm runs them (`run_program`).
+"""Programs that run in a process of their own, by path, and the one way hf_tfm starts a process (`run_program`).
 
 Each module here but this one is such a program: the runtime's side of an export's verification (`*_side.py`, some
 also copied beside an export as its runner) or the check that a saved folder loads where hf_tfm cannot be imported
 (`standalone_generate.py`). A program imports nothing of hf_tfm, and some run where torch or transformers must not be
 imported, or in another Python (llama.cpp's). Each defines `run(args) -> result`; `launch.py` is the entry of its
 process: it hides the modules the caller blocks, reads `args` as JSON on stdin and writes the result, pickled, to the
-file the caller reads.
+file the caller reads. `run_program` also runs the same kind of program from elsewhere: a file by its path (the
+benchmark's worker) or an installed module by its name (`hf_tfm.calibration`, in llm-compressor's environment).
 """
 
+import importlib
 import json
 import os
 import pickle
@@ -30,8 +32,18 @@ def program_path(name: str) -> Path:
     return path
 
 
+def _program(program: str | os.PathLike) -> str:
+    """What `launch.py` runs: a file's absolute path, or a module's dotted name."""
+    if isinstance(program, os.PathLike):
+        path = Path(program).resolve()
+        if not path.is_file():
+            raise ValueError(f"{program}: no such program file.")
+        return str(path)
+    return program if "." in program else str(program_path(program))
+
+
 def run_program(
-    name: str,
+    program: str | os.PathLike,
     args: dict[str, Any],
     runtime: str,
     *,
@@ -41,21 +53,25 @@ def run_program(
     env: dict[str, str] | None = None,
     timeout: float | None = None,
 ) -> Any:
-    """`run(args)` of the program `name`, in a process of its own by default: run by `python` (default: this
-    interpreter), where each module in `blocked` cannot be imported (what runs is what a deployment without it runs),
-    with `env` added to this environment. `args` go in as JSON, the result comes back pickled (lists, arrays, or
-    tensors where the program has torch). `fresh_process=False` runs it here, for tests (nothing blocked).
+    """`run(args)` of `program`, in a process of its own by default: run by `python` (default: this interpreter),
+    where each module in `blocked` cannot be imported (what runs is what a deployment without it runs), with `env`
+    added to this environment. `args` go in as JSON, the result comes back pickled (lists, arrays, or tensors where
+    the program has torch). `fresh_process=False` runs it here, for tests (nothing blocked).
 
-    A failing program raises `RuntimeError` naming `runtime`, `args["path"]` and its error; one that runs past
-    `timeout` seconds, `subprocess.TimeoutExpired`.
+    `program` is one of this folder's programs by name (`"onnxruntime_side"`), a program file elsewhere by its path
+    (an `os.PathLike`), or an installed module by its dotted name (`"hf_tfm.calibration"`), imported as usual in the
+    process, its package first. A failing program raises `RuntimeError` naming `runtime`, `args["path"]` and its
+    error; one that runs past `timeout` seconds, `subprocess.TimeoutExpired`.
     """
-    path = program_path(name)
+    target = _program(program)
     if not fresh_process:
-        return runpy.run_path(str(path))["run"](args)
+        if target.endswith(".py"):
+            return runpy.run_path(target)["run"](args)
+        return importlib.import_module(target).run(args)
     with tempfile.TemporaryDirectory(prefix="hf_tfm_program_") as tmp:
         result_file = Path(tmp) / "result.pkl"
         done = subprocess.run(
-            [python or sys.executable, str(LAUNCHER), str(path), str(result_file), *blocked],
+            [python or sys.executable, str(LAUNCHER), target, str(result_file), *blocked],
             input=json.dumps(args),
             capture_output=True,
             text=True,
