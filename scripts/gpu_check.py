@@ -244,11 +244,10 @@ def release(device: str) -> None:
 
 def write_report(path: str, report: dict) -> None:
     """Write `path` whole or not at all (a killed run leaves the previous section's report, never half a file)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.partial"
-    with open(tmp, "w") as f:
+    from hf_tfm.checkpoint import staged_file  # after `main`'s CUDA check, as every hf_tfm import here
+
+    with staged_file(path) as tmp, open(tmp, "w") as f:
         json.dump(report, f, indent=1, default=str)
-    os.replace(tmp, path)
 
 
 def run(args: argparse.Namespace, device: str, argv: list[str]) -> dict:
@@ -540,13 +539,11 @@ def section_training(args: argparse.Namespace, device: str, deadline: Deadline) 
     return out
 
 
+ATTENTION_BACKENDS = ["eager", "sdpa", "flex_attention", "flash_attention_2"]
+
+
 def section_attention(args: argparse.Namespace, device: str, deadline: Deadline) -> dict:
     """Each attention backend against eager on the same bf16 model, per case; see the module docstring."""
-    import benchmark
-
-    from hf_tfm import TfmConfig, TfmForCausalLM
-
-    backends = ["eager", "sdpa", "flex_attention", "flash_attention_2"]
     try:
         import flash_attn  # noqa: F401
 
@@ -561,80 +558,9 @@ def section_attention(args: argparse.Namespace, device: str, deadline: Deadline)
     }
     out = {"batch": batch, "seq": args.seq, "layers": args.aux_layers, "cases": {}, "verdicts": {}}
     out["flash_attn"] = no_flash or "imports"
-    kv_heads = args.heads // 4 if args.heads % 4 == 0 else args.heads  # grouped-query attention, as most models
-
-    def case(overrides: dict, padded: bool) -> dict:
-        config = TfmConfig(
-            vocab_size=args.vocab,
-            hidden_size=args.hidden,
-            num_hidden_layers=args.aux_layers,
-            num_attention_heads=args.heads,
-            num_key_value_heads=kv_heads,
-            max_position_embeddings=args.seq,
-            pad_token_id=0,
-            **overrides,
-        )
-        torch.manual_seed(0)
-        with torch.device(device):
-            reference = TfmForCausalLM(config).to(DTYPE).eval()
-        ids = random_ids(batch, args.seq, args.vocab, device, seed=0)
-        mask = torch.ones_like(ids)
-        if padded:  # row r starts with r/(2 batch) of the sequence as padding: row 0 none, the last almost half
-            for r in range(batch):
-                mask[r, : r * args.seq // (2 * batch)] = 0
-            ids = ids.masked_fill(mask == 0, 0)
-        real = mask.bool()  # padding positions' outputs are undefined (they see no key): zeroed before comparing
-        results, steps, expected = {}, {}, None
-
-        def forward(model: nn.Module) -> Callable[[], torch.Tensor]:
-            def call() -> torch.Tensor:
-                with torch.inference_mode():
-                    logits = model(input_ids=ids, attention_mask=mask).logits
-                benchmark.sync(device)
-                return logits
-
-            return call
-
-        for backend in backends:
-            rec = results[backend] = {}
-            alibi_on_flash = backend.startswith("flash") and config.position_embedding_type == "alibi"
-            if no_flash and backend.startswith("flash") and not alibi_on_flash:
-                rec["status"] = "not installed"
-                continue
-            try:
-                model = reference if backend == "eager" else copy.deepcopy(reference)
-                if alibi_on_flash:
-                    # hf_tfm refuses in forward, before any kernel runs, so the refusal is checked with or without
-                    # flash_attn installed: the config is set directly (set_attn_implementation would stop at a
-                    # missing package first).
-                    model.config._attn_implementation = backend
-                else:
-                    model.set_attn_implementation(backend)
-                logits = forward(model)()
-            except Exception as err:
-                if alibi_on_flash and isinstance(err, ValueError) and "alibi" in str(err):
-                    rec.update(status="refused", expected="refused", message=str(err))
-                else:
-                    rec.update(status="error", **failure(err))
-                    if alibi_on_flash:
-                        rec["expected"] = "refused"
-                continue
-            if alibi_on_flash:
-                rec.update(status="ran", expected="refused")
-                continue
-            got = logits.masked_fill(~real[..., None], 0)
-            if expected is None:
-                expected = got  # eager, the first backend
-            rec.update(status="ran", **logits_diff(got, expected))
-            steps[backend] = forward(model)
-        times = benchmark.interleaved(steps, args.rounds)
-        for backend, ts in times.items():
-            results[backend]["median_ms"] = statistics.median(ts) * 1e3
-            results[backend]["speedup_vs_eager"] = statistics.median(times["eager"]) / statistics.median(ts)
-        return {"backends": results}
-
     for name, (overrides, padded) in cases.items():
-        record = attempt({}, deadline, lambda o=overrides, p=padded: case(o, p), f"attention: {name}")
+        case = lambda o=overrides, p=padded: attention_case(args, device, batch, o, p, no_flash)  # noqa: E731
+        record = attempt({}, deadline, case, f"attention: {name}")
         out["cases"][name] = record
         for backend, rec in record.get("backends", {}).items():
             if "close" in rec:
@@ -642,6 +568,92 @@ def section_attention(args: argparse.Namespace, device: str, deadline: Deadline)
             if rec.get("expected") == "refused":
                 out["verdicts"][f"refused[{name}/{backend}]"] = rec["status"] == "refused"
     return out
+
+
+def attention_case(
+    args: argparse.Namespace, device: str, batch: int, overrides: dict, padded: bool, no_flash: str | None
+) -> dict:
+    """One case: the same bf16 model on each backend, its logits against eager's (padding positions aside) and its
+    forward's median time; ALiBi on a flash kernel must be refused."""
+    import benchmark
+
+    from hf_tfm import TfmConfig, TfmForCausalLM
+
+    kv_heads = args.heads // 4 if args.heads % 4 == 0 else args.heads  # grouped-query attention, as most models
+    config = TfmConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.aux_layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=args.seq,
+        pad_token_id=0,
+        **overrides,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        reference = TfmForCausalLM(config).to(DTYPE).eval()
+    ids = random_ids(batch, args.seq, args.vocab, device, seed=0)
+    mask = torch.ones_like(ids)
+    if padded:  # row r starts with r/(2 batch) of the sequence as padding: row 0 none, the last almost half
+        for r in range(batch):
+            mask[r, : r * args.seq // (2 * batch)] = 0
+        ids = ids.masked_fill(mask == 0, 0)
+    real = mask.bool()  # padding positions' outputs are undefined (they see no key): zeroed before comparing
+
+    def forward(model: nn.Module) -> Callable[[], torch.Tensor]:
+        def call() -> torch.Tensor:
+            with torch.inference_mode():
+                logits = model(input_ids=ids, attention_mask=mask).logits
+            benchmark.sync(device)
+            return logits
+
+        return call
+
+    results, steps, expected = {}, {}, None
+    for backend in ATTENTION_BACKENDS:
+        results[backend], model, logits = backend_logits(reference, backend, forward, no_flash)
+        if logits is None:
+            continue
+        got = logits.masked_fill(~real[..., None], 0)
+        if expected is None:
+            expected = got  # eager, the first backend
+        results[backend].update(status="ran", **logits_diff(got, expected))
+        steps[backend] = forward(model)
+    times = benchmark.interleaved(steps, args.rounds)
+    for backend, ts in times.items():
+        results[backend]["median_ms"] = statistics.median(ts) * 1e3
+        results[backend]["speedup_vs_eager"] = statistics.median(times["eager"]) / statistics.median(ts)
+    return {"backends": results}
+
+
+def backend_logits(
+    reference: nn.Module,
+    backend: str,
+    forward: Callable[[nn.Module], Callable[[], torch.Tensor]],
+    no_flash: str | None,
+) -> tuple[dict, nn.Module | None, torch.Tensor | None]:
+    """`reference` (or a copy) on `backend`, and its logits; without logits, the record says why (not installed, an
+    error, or ALiBi on flash: refused, as expected, or ran, which it must not)."""
+    alibi_on_flash = backend.startswith("flash") and reference.config.position_embedding_type == "alibi"
+    if no_flash and backend.startswith("flash") and not alibi_on_flash:
+        return {"status": "not installed"}, None, None
+    try:
+        model = reference if backend == "eager" else copy.deepcopy(reference)
+        if alibi_on_flash:
+            # hf_tfm refuses in forward, before any kernel runs, so the refusal is checked with or without flash_attn
+            # installed: the config is set directly (set_attn_implementation would stop at a missing package first).
+            model.config._attn_implementation = backend
+        else:
+            model.set_attn_implementation(backend)
+        logits = forward(model)()
+    except Exception as err:
+        if alibi_on_flash and isinstance(err, ValueError) and "alibi" in str(err):
+            return {"status": "refused", "expected": "refused", "message": str(err)}, None, None
+        return {"status": "error", **failure(err), **({"expected": "refused"} if alibi_on_flash else {})}, None, None
+    if alibi_on_flash:
+        return {"status": "ran", "expected": "refused"}, None, None
+    return {}, model, logits
 
 
 def section_encoder_moe(args: argparse.Namespace, device: str, deadline: Deadline) -> dict:
@@ -749,57 +761,7 @@ def greedy_agreement(a: GenerateOutput, b: GenerateOutput) -> dict:
 
 def section_decoding(args: argparse.Namespace, device: str, deadline: Deadline) -> dict:
     """Eager and compiled greedy decoding, hf_tfm against in-tree Llama and BART; see the module docstring."""
-    import benchmark
-    from transformers import CompileConfig
-
     out = {"prompt": args.prompt, "new": args.new, "layers": args.aux_layers, "cases": [], "verdicts": {}}
-
-    def decode(pair: Pair, batch: int) -> dict:
-        ids = random_ids(batch, args.prompt, args.vocab, device, seed=batch)
-        # One CompileConfig per model, reused: generate() recompiles when it is handed a different one. CUDA graphs
-        # (reduce-overhead) on the GPU; the CPU has none, and compiles there only with the private flag.
-        configs = {}
-        for side in ("ours", "theirs"):
-            configs[side] = CompileConfig(fullgraph=True, dynamic=False)
-            if device != "cuda":
-                configs[side].mode = "default"
-                configs[side]._compile_all_devices = True
-        models = {"ours": pair.ours, "theirs": pair.theirs}
-        runs = {f"{side}_{mode}": (side, mode) for side in models for mode in ("eager", "compiled")}
-        first, tokens, steps = {}, {}, {}
-        result = {"batch": batch, "warmup_s": {}}
-        for key, (side, mode) in runs.items():  # the first call compiles (and records the CUDA graphs)
-            config = configs[side] if mode == "compiled" else None
-            t0 = time.perf_counter()
-            first[key] = generate(models[side], ids, args.new, config, logits=True)
-            benchmark.sync(device)
-            result["warmup_s"][key] = time.perf_counter() - t0
-
-            def step(model=models[side], key=key, config=config):
-                tokens[key] = generate(model, ids, args.new, config)
-                benchmark.sync(device)
-
-            steps[key] = step
-        times = benchmark.interleaved(steps, args.rounds)
-        for mode in ("eager", "compiled"):
-            result[mode] = {
-                side: {"ms_per_token": statistics.median(times[f"{side}_{mode}"]) / args.new * 1e3} for side in models
-            }
-            result[mode]["speedup"] = result[mode]["theirs"]["ms_per_token"] / result[mode]["ours"]["ms_per_token"]
-            result[mode] |= greedy_agreement(first[f"ours_{mode}"], first[f"theirs_{mode}"])
-            # every call gives the tokens of the first (a static cache and CUDA graphs are replayed call after call)
-            result[mode]["repeatable"] = all(
-                bool(torch.equal(tokens[f"{side}_{mode}"], first[f"{side}_{mode}"].sequences)) for side in models
-            )
-        # each model compiled against itself eager: the static cache and compiled steps compute what eager does
-        result["compiled_vs_eager"] = {
-            side: greedy_agreement(first[f"{side}_compiled"], first[f"{side}_eager"]) for side in models
-        }
-        result["ms_per_token_note"] = (
-            f"whole generate() call / {args.new} new tokens (prefill of {args.prompt} included)"
-        )
-        return result
-
     pairs = {}
     for family in ("llama", "bart"):
         try:
@@ -816,7 +778,7 @@ def section_decoding(args: argparse.Namespace, device: str, deadline: Deadline) 
             record = attempt(
                 {"model": family, "in_tree": pair.theirs_name, "batch": batch},
                 deadline,
-                lambda p=pair, b=batch: decode(p, b),
+                lambda p=pair, b=batch: decode_case(args, device, p, b),
                 f"decoding: {label}",
             )
             out["cases"].append(record)
@@ -830,6 +792,56 @@ def section_decoding(args: argparse.Namespace, device: str, deadline: Deadline) 
     return out
 
 
+def decode_case(args: argparse.Namespace, device: str, pair: Pair, batch: int) -> dict:
+    """One batch size: both models' greedy generate(), eager and compiled, timed interleaved; whether they agree,
+    whether each call repeats the first, and each model compiled against itself eager."""
+    import benchmark
+    from transformers import CompileConfig
+
+    ids = random_ids(batch, args.prompt, args.vocab, device, seed=batch)
+    # One CompileConfig per model, reused: generate() recompiles when it is handed a different one. CUDA graphs
+    # (reduce-overhead) on the GPU; the CPU has none, and compiles there only with the private flag.
+    configs = {}
+    for side in ("ours", "theirs"):
+        configs[side] = CompileConfig(fullgraph=True, dynamic=False)
+        if device != "cuda":
+            configs[side].mode = "default"
+            configs[side]._compile_all_devices = True
+    models = {"ours": pair.ours, "theirs": pair.theirs}
+    runs = {f"{side}_{mode}": (side, mode) for side in models for mode in ("eager", "compiled")}
+    first, tokens, steps = {}, {}, {}
+    result = {"batch": batch, "warmup_s": {}}
+    for key, (side, mode) in runs.items():  # the first call compiles (and records the CUDA graphs)
+        config = configs[side] if mode == "compiled" else None
+        t0 = time.perf_counter()
+        first[key] = generate(models[side], ids, args.new, config, logits=True)
+        benchmark.sync(device)
+        result["warmup_s"][key] = time.perf_counter() - t0
+
+        def step(model=models[side], key=key, config=config):
+            tokens[key] = generate(model, ids, args.new, config)
+            benchmark.sync(device)
+
+        steps[key] = step
+    times = benchmark.interleaved(steps, args.rounds)
+    for mode in ("eager", "compiled"):
+        result[mode] = {
+            side: {"ms_per_token": statistics.median(times[f"{side}_{mode}"]) / args.new * 1e3} for side in models
+        }
+        result[mode]["speedup"] = result[mode]["theirs"]["ms_per_token"] / result[mode]["ours"]["ms_per_token"]
+        result[mode] |= greedy_agreement(first[f"ours_{mode}"], first[f"theirs_{mode}"])
+        # every call gives the tokens of the first (a static cache and CUDA graphs are replayed call after call)
+        result[mode]["repeatable"] = all(
+            bool(torch.equal(tokens[f"{side}_{mode}"], first[f"{side}_{mode}"].sequences)) for side in models
+        )
+    # each model compiled against itself eager: the static cache and compiled steps compute what eager does
+    result["compiled_vs_eager"] = {
+        side: greedy_agreement(first[f"{side}_compiled"], first[f"{side}_eager"]) for side in models
+    }
+    result["ms_per_token_note"] = f"whole generate() call / {args.new} new tokens (prefill of {args.prompt} included)"
+    return result
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The printed table
 
@@ -840,77 +852,16 @@ def number(x: float | None, spec: str) -> str:
 
 def summary_table(report: dict) -> str:
     """The headline figures, one row per case: hf_tfm, in-tree, their ratio (> 1: hf_tfm faster) and the verdict."""
-    rows = []
-
-    def add(section: str, case: str, ours: str = "-", theirs: str = "-", ratio: str = "-", verdict: str = "-"):
-        rows.append(f"| {section} | {case} | {ours} | {theirs} | {ratio} | {verdict} |")
-
-    def problem(record: dict) -> str | None:
-        if "skipped" in record:
-            return f"skipped: {record['skipped']}"
-        return f"error: {record['error']}" if "error" in record else None
-
     sections = report["sections"]
-    for name, section in sections.items():
-        if section.get("status") == "error":
-            add(name, "(whole section)", verdict=f"error: {section['error']}")
-    for v in sections.get("training", {}).get("variants", []):
-        case = f"{v['variant']}, batch {v.get('batch', '?')}"
-        if bad := problem(v):
-            add("training", case, verdict=bad)
-            continue
-        o, t = v["ours"], v["theirs"]
-        mfu = f", MFU {o['mfu']:.2f}/{t['mfu']:.2f}" if o["mfu"] is not None else ""
-        add(
-            "training",
-            f"{case}: ms/step, tok/s{mfu}, peak GiB",
-            f"{o['median_s'] * 1e3:.1f}, {o['tokens_per_s']:.0f}, {o['peak_step_bytes'] / 2**30:.2f}",
-            f"{t['median_s'] * 1e3:.1f}, {t['tokens_per_s']:.0f}, {t['peak_step_bytes'] / 2**30:.2f}",
-            f"{v['speedup']:.2f}x",
-            f"losses close: {v['losses_close']} (max rel diff {number(v['max_loss_rel_diff'], '.1e')}), "
-            f"first step's logits close: {v['first_step_logits']['close']}",
-        )
-    for case, record in sections.get("attention", {}).get("cases", {}).items():
-        if bad := problem(record):
-            add("attention", case, verdict=bad)
-            continue
-        for backend, rec in record["backends"].items():
-            if "median_ms" in rec:
-                verdict = f"close: {rec['close']} (max diff {rec['max_abs_diff']:.1e} of {rec['scale']:.1e})"
-                add("attention", f"{case}/{backend}: forward ms", f"{rec['median_ms']:.2f}", verdict=verdict)
-            else:
-                verdict = rec["status"] + (f" (expected {rec['expected']})" if "expected" in rec else "")
-                add(
-                    "attention", f"{case}/{backend}", verdict=verdict + (f": {rec['error']}" if "error" in rec else "")
-                )
-    for name, record in sections.get("encoder_moe", {}).get("models", {}).items():
-        if bad := problem(record):
-            add("encoder_moe", name, verdict=bad)
-            continue
-        o, t = record["ours"], record["theirs"]
-        add(
-            "encoder_moe",
-            f"{name} ({record['in_tree']}, batch {record['batch']} x {record['seq']}): ms/step",
-            f"{o['median_s'] * 1e3:.1f}",
-            f"{t['median_s'] * 1e3:.1f}",
-            f"{record['speedup']:.2f}x",
-            f"finite loss and grads: {record['finite']}",
-        )
-    for record in sections.get("decoding", {}).get("cases", []):
-        case = f"{record.get('in_tree', record['model'])} b{record.get('batch', '?')}"
-        if bad := problem(record):
-            add("decoding", case, verdict=bad)
-            continue
-        for mode in ("eager", "compiled"):
-            r = record[mode]
-            add(
-                "decoding",
-                f"{case} {mode}: ms/token",
-                f"{r['ours']['ms_per_token']:.2f}",
-                f"{r['theirs']['ms_per_token']:.2f}",
-                f"{r['speedup']:.2f}x",
-                f"tokens equal: {r['tokens_equal']}, agree (bf16 ties aside): {r['agree']}",
-            )
+    rows = [
+        row("(whole section)", verdict=f"error: {section['error']}", section=name)
+        for name, section in sections.items()
+        if section.get("status") == "error"
+    ]
+    rows += training_rows(sections.get("training", {}).get("variants", []))
+    rows += attention_rows(sections.get("attention", {}).get("cases", {}))
+    rows += encoder_moe_rows(sections.get("encoder_moe", {}).get("models", {}))
+    rows += decoding_rows(sections.get("decoding", {}).get("cases", []))
     head = "| section | case | hf_tfm | in-tree | in-tree / hf_tfm time | verdict |\n|---|---|---:|---:|---:|---|"
     verdicts = report["verdicts"]
     failed = [k for k, v in verdicts.items() if not v]
@@ -919,6 +870,106 @@ def summary_table(report: dict) -> str:
     )
     tail += f"\nerrors and skipped cases: {len(report['problems'])}"
     return head + "\n" + "\n".join(rows) + tail
+
+
+def row(case: str, ours: str = "-", theirs: str = "-", ratio: str = "-", verdict: str = "-", *, section: str) -> str:
+    return f"| {section} | {case} | {ours} | {theirs} | {ratio} | {verdict} |"
+
+
+def problem(record: dict) -> str | None:
+    """A case's verdict when it did not run: skipped (the time budget) or its error."""
+    if "skipped" in record:
+        return f"skipped: {record['skipped']}"
+    return f"error: {record['error']}" if "error" in record else None
+
+
+def training_rows(variants: list[dict]) -> list[str]:
+    rows = []
+    for v in variants:
+        case = f"{v['variant']}, batch {v.get('batch', '?')}"
+        if bad := problem(v):
+            rows.append(row(case, verdict=bad, section="training"))
+            continue
+        o, t = v["ours"], v["theirs"]
+        mfu = f", MFU {o['mfu']:.2f}/{t['mfu']:.2f}" if o["mfu"] is not None else ""
+        rows.append(
+            row(
+                f"{case}: ms/step, tok/s{mfu}, peak GiB",
+                f"{o['median_s'] * 1e3:.1f}, {o['tokens_per_s']:.0f}, {o['peak_step_bytes'] / 2**30:.2f}",
+                f"{t['median_s'] * 1e3:.1f}, {t['tokens_per_s']:.0f}, {t['peak_step_bytes'] / 2**30:.2f}",
+                f"{v['speedup']:.2f}x",
+                f"losses close: {v['losses_close']} (max rel diff {number(v['max_loss_rel_diff'], '.1e')}), "
+                f"first step's logits close: {v['first_step_logits']['close']}",
+                section="training",
+            )
+        )
+    return rows
+
+
+def attention_rows(cases: dict[str, dict]) -> list[str]:
+    rows = []
+    for case, record in cases.items():
+        if bad := problem(record):
+            rows.append(row(case, verdict=bad, section="attention"))
+            continue
+        for backend, rec in record["backends"].items():
+            if "median_ms" in rec:
+                verdict = f"close: {rec['close']} (max diff {rec['max_abs_diff']:.1e} of {rec['scale']:.1e})"
+                rows.append(
+                    row(
+                        f"{case}/{backend}: forward ms",
+                        f"{rec['median_ms']:.2f}",
+                        verdict=verdict,
+                        section="attention",
+                    )
+                )
+            else:
+                verdict = rec["status"] + (f" (expected {rec['expected']})" if "expected" in rec else "")
+                verdict += f": {rec['error']}" if "error" in rec else ""
+                rows.append(row(f"{case}/{backend}", verdict=verdict, section="attention"))
+    return rows
+
+
+def encoder_moe_rows(models: dict[str, dict]) -> list[str]:
+    rows = []
+    for name, record in models.items():
+        if bad := problem(record):
+            rows.append(row(name, verdict=bad, section="encoder_moe"))
+            continue
+        o, t = record["ours"], record["theirs"]
+        rows.append(
+            row(
+                f"{name} ({record['in_tree']}, batch {record['batch']} x {record['seq']}): ms/step",
+                f"{o['median_s'] * 1e3:.1f}",
+                f"{t['median_s'] * 1e3:.1f}",
+                f"{record['speedup']:.2f}x",
+                f"finite loss and grads: {record['finite']}",
+                section="encoder_moe",
+            )
+        )
+    return rows
+
+
+def decoding_rows(cases: list[dict]) -> list[str]:
+    rows = []
+    for record in cases:
+        case = f"{record.get('in_tree', record['model'])} b{record.get('batch', '?')}"
+        if bad := problem(record):
+            rows.append(row(case, verdict=bad, section="decoding"))
+            continue
+        for mode in ("eager", "compiled"):
+            r = record[mode]
+            rows.append(
+                row(
+                    f"{case} {mode}: ms/token",
+                    f"{r['ours']['ms_per_token']:.2f}",
+                    f"{r['theirs']['ms_per_token']:.2f}",
+                    f"{r['speedup']:.2f}x",
+                    f"tokens equal: {r['tokens_equal']}, agree (bf16 ties aside): {r['agree']}",
+                    section="decoding",
+                )
+            )
+    return rows
 
 
 if __name__ == "__main__":
