@@ -47,6 +47,12 @@ def fresh_dynamo():
 # newcomer's first run takes minutes. Test file -> (the tests, by a regex on their names with parameters; why). The
 # runtime exports keep one case of each kind in `make test`, so every exporter's code still runs there.
 CI_ONLY = {
+    "test_transformers_common.py": (
+        r"(DecoderAlibi|DecoderLearned|DecoderSinusoidal|EncoderRope|EncoderAlibi|EncoderSinusoidal|Seq2SeqModern"
+        r"|Seq2SeqTransformer)Test::",
+        "the mixin's same tests per position scheme and encoder-decoder layout (the rope decoder's, MoE decoder's, "
+        "BERT-like encoder's and BART-like ones' run here; tests/test_modeling.py's grid checks every scheme)",
+    ),
     "test_distributed.py": (r"", "several processes (DDP, FSDP2, TP)"),
     "test_serving.py": (r"test_transformers_serve", "a server"),
     "test_serving_vllm.py": (r"", "vLLM's server, in its own environment"),
@@ -88,7 +94,8 @@ def pytest_collection_modifyitems(items: list) -> None:
     see issue 18's closing note)."""
     for item in items:
         pattern, _ = CI_ONLY.get(item.path.name, (None, None))
-        if pattern is not None and re.match(pattern, item.name):
+        # matched on the test's id within its file: `test_x[params]`, or `Class::test_x` for a class's tests
+        if pattern is not None and re.match(pattern, item.nodeid.split("::", 1)[1]):
             item.add_marker(pytest.mark.ci)
     items.sort(key=lambda item: item.path.name != "test_transformers_common.py")  # stable: the rest keep their order
 
