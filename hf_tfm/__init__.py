@@ -17,11 +17,7 @@ from transformers import (
 )
 
 from .configuration import TfmConfig, TfmDecoderConfig, TfmEncoderConfig, TfmSeq2SeqConfig
-
-# Imported eagerly, unlike `convert` below: it needs nothing beyond `modeling`, and the function shares its module's
-# name, so a lazy `__getattr__` would lose to the submodule (`import hf_tfm.from_torch` sets `hf_tfm.from_torch`).
-from .from_torch import from_torch
-from .inference.load import compile_generation, load_for_inference
+from .inference import compile_generation, load_for_inference
 from .modeling import (
     TfmForCausalLM,
     TfmForConditionalGeneration,
@@ -62,16 +58,20 @@ def _register() -> None:
 
 _register()
 
-_CONVERT_NAMES = ("convert_path", "export_blockers", "from_hf", "to_hf")
+_CONVERT_NAMES = ("convert_path", "from_hf", "in_tree_blockers", "to_hf")
 
 
 def __getattr__(name: str):
-    """`hf_tfm.from_hf` / `to_hf` / `convert_path` and `hf_tfm.export` (`hf_tfm.exporters.export`): imported on first
-    use (they load the in-tree model families)."""
+    """`hf_tfm.from_hf` / `to_hf` / `convert_path` / `in_tree_blockers` / `from_torch` and `hf_tfm.export`
+    (`hf_tfm.exporters.export`): imported on first use (they load the in-tree model families, or the exporters)."""
     if name in _CONVERT_NAMES:
         from . import convert
 
         return getattr(convert, name)
+    if name == "from_torch":
+        from .convert.from_torch import from_torch
+
+        return from_torch
     if name == "export":
         from .exporters import export
 
@@ -97,9 +97,9 @@ __all__ = [
     "compile_generation",
     "convert_path",
     "export",
-    "export_blockers",
     "from_hf",
     "from_torch",
+    "in_tree_blockers",
     "load_for_inference",
     "to_hf",
 ]

@@ -20,14 +20,14 @@ packed zero points, which transformers 5.25 cannot load (in-tree Llama's neither
 """
 
 import importlib.util
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from transformers.utils import logging
+
+from .programs import run_program
 
 logger = logging.get_logger(__name__)
 
@@ -146,19 +146,15 @@ def calibrate(
             "(or run `.venv-llmcompressor/bin/hf-tfm calibrate`)"
         )
     if python == sys.executable and importlib.util.find_spec("llmcompressor") is not None:
-        _run(**job)
-    else:
-        done = subprocess.run(
-            [python, "-m", "hf_tfm.calibration"], input=json.dumps(job), capture_output=True, text=True, check=False
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"llm-compressor ({python}) failed on {path}: {done.stderr.strip()[-3000:]}")
+        run(job)
+    else:  # this module's `run`, in llm-compressor's environment (hf_tfm is installed there too)
+        run_program(__name__, job, f"llm-compressor ({python})", python=python)
     return Path(output_dir)
 
 
 def _calibration_blocks(tokenizer: Any, texts: list[str] | None, samples: int, max_length: int) -> list[list[int]]:
     from .data import stdlib_files
-    from .recipes import pack_texts
+    from .training import pack_texts
 
     if texts is None:  # about 4 characters a token: enough files for the blocks, with room to spare
         texts = [f.text for f in stdlib_files(max_chars=8 * samples * max_length, max_file_chars=20_000)]
@@ -170,7 +166,13 @@ def _calibration_blocks(tokenizer: Any, texts: list[str] | None, samples: int, m
     return blocks
 
 
-def _run(
+def run(job: dict[str, Any]) -> None:
+    """The job `calibrate` describes, where llm-compressor is installed (in this process, or started by
+    `calibrate` through `hf_tfm.programs.run_program`)."""
+    _calibrate(**job)
+
+
+def _calibrate(
     path: str,
     output_dir: str,
     method: str,
@@ -179,7 +181,6 @@ def _run(
     max_length: int,
     trust_remote_code: bool = False,
 ) -> None:
-    """The job itself, where llm-compressor is installed."""
     import torch
     from datasets import Dataset
     from llmcompressor import oneshot
@@ -222,6 +223,3 @@ def _run(
 
 
 __all__ = ["METHODS", "awq_mappings", "calibrate", "llmcompressor_python"]
-
-if __name__ == "__main__":  # `calibrate` in another environment: the job as JSON on stdin
-    _run(**json.loads(sys.stdin.read()))

@@ -1,11 +1,11 @@
 """Checkpoint folders on disk: written all at once, diagnosed when damaged, and carrying hf_tfm's own code.
 
-`staged_folder` is the one way hf_tfm writes a folder: into a hidden sibling that takes the target's place only when
-complete. Model saves (`TfmPreTrainedModel.save_pretrained`, through `staged_save`), the `hf-tfm` commands' output
-folders and the runtime exports all go through it. `weights_damage` names a truncated safetensors file, which
-transformers reports only as a header error, and `repair_remote_code` puts hf_tfm's code back into a folder saved from
-a class that torch generated. This file imports only the standard library and transformers: saved folders carry it as
-remote code, beside `modeling.py`, which imports it.
+`staged_folder` and `staged_file` are the one way hf_tfm writes a folder or a file: into a hidden sibling that takes
+the target's place only when complete. Model saves (`TfmPreTrainedModel.save_pretrained`, through `staged_save`), the
+`hf-tfm` commands' output folders and the runtime exports all go through them. `weights_damage` names a truncated
+safetensors file, which transformers reports only as a header error, and `repair_remote_code` puts hf_tfm's code back
+into a folder saved from a class that torch generated. This file imports only the standard library and transformers:
+saved folders carry it as remote code, beside `modeling.py`, which imports it.
 """
 
 import json
@@ -38,7 +38,7 @@ def staged_folder(
     A reader, or a run that fails or is killed midway, finds the old folder or the new one, never a mix. `keep` picks,
     by name, the old folder's entries to carry into the new one where it has none of that name (hard-linked); without
     it nothing of the old folder is kept. Whether an existing `target` may be replaced at all is the caller's decision
-    (the CLI's: `hf_tfm.recipes.check_output_dir`). Where no folder can be renamed into `target`'s place (a mount
+    (the CLI's: `hf_tfm.training.check_output_dir`). Where no folder can be renamed into `target`'s place (a mount
     point, a parent folder that is not writable) this raises `OSError`, or with `in_place_fallback` warns and yields
     `target` itself.
     """
@@ -77,6 +77,31 @@ def staged_save(save_directory: str | os.PathLike, variant: str | None, adapter:
     return staged_folder(save_directory, keep=lambda name: re.fullmatch(stale, name) is None, in_place_fallback=True)
 
 
+@contextmanager
+def staged_file(target: str | os.PathLike) -> Iterator[Path]:
+    """Write the file `target` all at once, as `staged_folder` writes a folder: yield a new empty hidden file beside
+    it, `.NAME.partial-XXXXXXXX`, which replaces `target` in one rename when the block ends (a reader finds the old
+    file or the new one) and is deleted when it raises, leaving `target` as it was. The new file has the target's
+    permissions, or a new file's (the umask's)."""
+    target = Path(target).resolve()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = _staging_path(target)
+    staging.touch(mode=0o666, exist_ok=False)  # the umask applies, as to any new file (mkstemp's would be private)
+    if target.is_file():
+        shutil.copymode(target, staging)
+    try:
+        yield staging
+        os.replace(staging, target)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
+
+
+def _staging_path(target: Path) -> Path:
+    """A new hidden name beside `target`, on its file system, where one rename puts it in the target's place."""
+    return target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:8]}")
+
+
 def _new_staging_folder(target: Path) -> Path:
     """A new empty folder `.NAME.partial-XXXXXXXX` next to `target`, so on its file system, where a rename can put it.
 
@@ -86,7 +111,7 @@ def _new_staging_folder(target: Path) -> Path:
     if os.path.ismount(target):
         raise OSError(f"{target} is a mount point: no folder can be renamed into its place")
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:8]}")
+    staging = _staging_path(target)
     staging.mkdir(mode=0o777)  # the umask applies, as to any new folder (tempfile.mkdtemp's would be private)
     if target.is_dir():
         shutil.copymode(target, staging)

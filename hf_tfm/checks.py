@@ -3,11 +3,12 @@ to a runtime (`hf_tfm.exporters`): `need`, which names a knob whose value the ta
 several targets share.
 
 A target's blockers are a list of such messages, each naming the knob, its value, the target and what it needs: an
-empty list means the target computes the config exactly.
+empty list means the target computes the config exactly. Targets write what they fix as tables, `{knob: value}`,
+checked in order by `need_all`; a `Need` entry says what a plain value cannot (a predicate, the words, a condition).
 """
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from .configuration import TfmConfig
 
@@ -22,10 +23,22 @@ def need(config: TfmConfig, out: list[str], family: str, knob: str, expected: An
         out.append(f"`{knob}`={value!r} ({family} needs {needs})")
 
 
+class Need(NamedTuple):
+    """A table entry that a plain value does not say: `expected` (a value or a predicate on the knob's value), the
+    words a refusal gives for it (`why`; None: the value's repr), and `when` it applies (a predicate on the config;
+    None: always)."""
+
+    expected: Any
+    why: str | None = None
+    when: Callable[[TfmConfig], bool] | None = None
+
+
 def need_all(config: TfmConfig, out: list[str], family: str, values: dict[str, Any]) -> None:
-    """`need` for each knob -> value of `values`, in their order."""
+    """`need` for each knob -> value (or `Need`) of `values`, in their order."""
     for knob, expected in values.items():
-        need(config, out, family, knob, expected)
+        entry = expected if isinstance(expected, Need) else Need(expected)
+        if entry.when is None or entry.when(config):
+            need(config, out, family, knob, entry.expected, entry.why)
 
 
 def need_dense(config: TfmConfig, out: list[str], family: str) -> None:
@@ -60,6 +73,7 @@ def need_rope(config: TfmConfig, out: list[str], family: str, rope_types: Sequen
 
 
 __all__ = [
+    "Need",
     "need",
     "need_all",
     "need_default_head_dim",

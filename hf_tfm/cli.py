@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging(args.verbose)
 
     from .data import DataError
-    from .recipes import OutputDirError
+    from .training import OutputDirError
 
     def _terminate(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt  # unwinds through the staged output folder, which deletes the half-written folder

@@ -111,16 +111,16 @@ def _has_module(name: str) -> bool:
 
 def _export(config: TfmConfig, architecture: str) -> dict[str, Support]:
     try:
-        from .convert import TFM_CLASSES, export_blockers
+        from .convert import TFM_CLASSES, in_tree_blockers
     except ImportError as err:
         return {"in-tree families": (False, f"hf_tfm.convert is not available ({err})")}
     head = next((head for head, cls in TFM_CLASSES.items() if cls.__name__ == architecture), None)
     if head is None:  # a head the converter does not know: say so rather than report the base model's answer
         return {"in-tree families": (False, f"no in-tree export for this head ({architecture})")}
     try:
-        blockers = export_blockers(config, head)
+        blockers = in_tree_blockers(config, head)
     except Exception as err:  # the converter is another module's contract; report rather than crash
-        return {"in-tree families": (False, f"hf_tfm.convert.export_blockers failed: {err}")}
+        return {"in-tree families": (False, f"hf_tfm.convert.in_tree_blockers failed: {err}")}
     return {family: (not found, "; ".join(found)) for family, found in blockers.items()}
 
 

@@ -68,39 +68,6 @@ from .distributed import prepare_fsdp, share_tied_tensors
 logger = logging.get_logger(__name__)
 
 # ---------------------------------------------------------------------------------------------------------------------
-# transformers 5.16.1 to the newest release. Up to 5.2x the KV cache keyword and output field is `past_key_values`;
-# newer releases call it `cache` (the old name a deprecated alias). What depends on the release is decided here, once.
-
-CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
-# Continuous batching passes its `PagedAttentionCache` as `cache=`: the model's own cache keyword from 5.2x on, where
-# the model updates it like any cache; before, it reached the attention kernel in its kwargs and the kernel updated it.
-PAGED_CACHE_UPDATED_BY_MODEL = CACHE_NAME == "cache"
-
-
-def accepts_cache_alias(forward: Callable) -> Callable:
-    """Take the cache as `cache` or `past_key_values` on every release (generate and PEFT pass the release's name)."""
-    if CACHE_NAME == "cache":  # the release's own deprecation path, with its warning
-        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
-
-    @functools.wraps(forward)
-    def forward_with_alias(*args, **kwargs):
-        if "past_key_values" in kwargs:  # the current name on this release: no warning
-            kwargs["cache"] = kwargs.pop("past_key_values")
-        return forward(*args, **kwargs)
-
-    return forward_with_alias
-
-
-try:
-    from transformers.modeling_utils import slice_logits_to_keep
-except ImportError:  # transformers < 5.2x: the same slicing, inline in each model (int or 1-D positions)
-
-    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        return hidden_states[:, keep, :]
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # Norms. The class names contain "LayerNorm"/"RMSNorm" on purpose: transformers' default init recognises them by name.
 
 
@@ -267,6 +234,13 @@ class TfmAlibi(nn.Module):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Attention
+
+# The KV cache's keyword and output field: `past_key_values` up to transformers 5.2x, `cache` in newer releases (the
+# old name a deprecated alias). What depends on the release (5.16.1 to the newest) is decided here and below, once.
+CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+# Continuous batching passes its `PagedAttentionCache` as `cache=`: the model's own cache keyword from 5.2x on, where
+# the model updates it like any cache; before, it reached the attention kernel in its kwargs and the kernel updated it.
+PAGED_CACHE_UPDATED_BY_MODEL = CACHE_NAME == "cache"
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -716,6 +690,29 @@ class TfmBlock(GradientCheckpointingLayer):
 # Models
 
 
+def accepts_cache_alias(forward: Callable) -> Callable:
+    """Take the cache as `cache` or `past_key_values` on every release (generate and PEFT pass the release's name)."""
+    if CACHE_NAME == "cache":  # the release's own deprecation path, with its warning
+        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+
+    @functools.wraps(forward)
+    def forward_with_alias(*args, **kwargs):
+        if "past_key_values" in kwargs:  # the current name on this release: no warning
+            kwargs["cache"] = kwargs.pop("past_key_values")
+        return forward(*args, **kwargs)
+
+    return forward_with_alias
+
+
+try:
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # transformers < 5.2x: the same slicing, inline in each model (int or 1-D positions)
+
+    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return hidden_states[:, keep, :]
+
+
 # Every checkpoint names all heads of its kind, so any Auto class can load it with remote code (a new head starts
 # untrained). Encoder-decoder checkpoints have their own config class and heads.
 SEQ2SEQ_AUTO_MAP = {
@@ -943,7 +940,30 @@ class TfmModel(TfmPreTrainedModel):
         if use_cache is None:  # an encoder has nothing to decode; training builds no cache (packing relies on it)
             use_cache = config.use_cache and config.is_causal and not self.training
         fresh_cache = use_cache and cache is None
-        if fresh_cache:
+        cache, self_cache, past_length = self._caches(cache, fresh_cache, encoder_hidden_states)
+        if input_ids is not None:
+            _check_ids(input_ids, config.vocab_size, f"{arg}input_ids", "vocab_size")
+            inputs_embeds = self.embed_tokens(input_ids)
+        position_ids = self._position_ids(inputs_embeds, attention_mask, position_ids, past_length, arg)
+        hidden_states = self._embed(inputs_embeds, position_ids, token_type_ids)
+
+        masks = attention_mask
+        if not isinstance(masks, dict):  # generate() may pass masks already built per layer type
+            # An empty cache we just made adds no offset; leaving it out lets the masks see packed position_ids.
+            masks = self._build_masks(inputs_embeds, attention_mask, None if fresh_cache else self_cache, position_ids)
+        source = (encoder_hidden_states, encoder_attention_mask)  # a seq2seq decoder's: the encoder output
+        hidden_states = self._layers(
+            hidden_states, inputs_embeds, position_ids, masks, cache, self_cache, *source, **kwargs
+        )
+        return self._output(hidden_states, input_ids, attention_mask, cache if use_cache else None)
+
+    def _caches(
+        self, cache: Cache | None, fresh: bool, encoder_hidden_states: torch.Tensor | None
+    ) -> tuple[Cache | None, Cache | None, int]:
+        """The cache this call fills (a new one when `fresh`), the part of it that self-attention, positions and
+        masks read (the decoder's own tokens), and how many tokens that part holds already."""
+        config = self.config
+        if fresh:
             cache = DynamicCache(config=config)
             if config.add_cross_attention:  # cross-attention keys span the whole source: no sliding layers there
                 cache = EncoderDecoderCache(cache, DynamicCache())
@@ -955,16 +975,24 @@ class TfmModel(TfmPreTrainedModel):
                 f"`{knob}` cannot run under continuous batching: its paged attention is causal self-attention with "
                 "no position bias. Use generate(), or a causal rope/learned/sinusoidal decoder-only model."
             )
-        self_cache = cache  # what self-attention, positions and masks read: the decoder's own tokens
+        self_cache = cache
         if isinstance(cache, EncoderDecoderCache):
             self_cache = cache.self_attention_cache
             if encoder_hidden_states is not None:
                 _full_length_cross_layers(cache, encoder_hidden_states.shape[1])
         past_length = self_cache.get_seq_length() if self_cache is not None and not paged else 0
+        return cache, self_cache, past_length
 
-        if input_ids is not None:
-            _check_ids(input_ids, config.vocab_size, f"{arg}input_ids", "vocab_size")
-            inputs_embeds = self.embed_tokens(input_ids)
+    def _position_ids(
+        self,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | dict | None,
+        position_ids: torch.LongTensor | None,
+        past_length: int,
+        arg: str,
+    ) -> torch.LongTensor:
+        """The given positions, else each token's count of real tokens before it (with a 2-D mask), else
+        `past_length` onwards; a 2-D mask must cover the cached and the new tokens."""
         batch_size, seq_length = inputs_embeds.shape[:2]
         if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2:
             if attention_mask.shape != (batch_size, past_length + seq_length):
@@ -976,30 +1004,48 @@ class TfmModel(TfmPreTrainedModel):
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq_length:]
         if position_ids is None:  # a length-independent arange: a static cache's length is a tensor under compile
             position_ids = (torch.arange(seq_length, device=inputs_embeds.device) + past_length)[None]
+        return position_ids
 
+    def _embed(
+        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, token_type_ids: torch.LongTensor | None
+    ) -> torch.Tensor:
+        """The first layer's input: token embeddings (scaled), absolute positions and token types added, then the
+        embedding norm and dropout where the config has them."""
+        config = self.config
         hidden_states = inputs_embeds * config.embedding_scale if config.embedding_scale != 1.0 else inputs_embeds
         if self.embed_positions is not None:
             hidden_states = hidden_states + self._absolute_positions(position_ids, inputs_embeds.dtype)
         if self.token_type_embeddings is not None:
             if token_type_ids is None:
                 token_type_ids = torch.zeros_like(position_ids)
-            _check_ids(token_type_ids, self.config.type_vocab_size, "token_type_ids", "type_vocab_size")
+            _check_ids(token_type_ids, config.type_vocab_size, "token_type_ids", "type_vocab_size")
             hidden_states = hidden_states + self.token_type_embeddings(token_type_ids)
-        if self.config.embedding_norm:
+        if config.embedding_norm:
             hidden_states = self.embed_norm(hidden_states)
         if self.training and self.embed_dropout.p > 0:
             hidden_states = self.embed_dropout(hidden_states)
+        return hidden_states
 
-        masks = attention_mask
-        if not isinstance(masks, dict):  # generate() may pass masks already built per layer type
-            # An empty cache we just made adds no offset; leaving it out lets the masks see packed position_ids.
-            masks = self._build_masks(inputs_embeds, attention_mask, None if fresh_cache else self_cache, position_ids)
+    def _layers(
+        self,
+        hidden_states: torch.Tensor,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        masks: dict[str, torch.Tensor | None],
+        cache: Cache | None,
+        self_cache: Cache | None,
+        encoder_hidden_states: torch.Tensor | None,
+        encoder_attention_mask: torch.Tensor | None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        """Every block in turn, each given its layer type's mask, RoPE or ALiBi bias (and a decoder's the encoder
+        output), then the final norm."""
+        config = self.config
         position_embeddings = self._rotary(hidden_states, position_ids)
         biases = self._alibi_biases(inputs_embeds, self_cache) if self.alibi is not None else {}
         cross_mask = None
         if config.add_cross_attention and encoder_hidden_states is not None:
             cross_mask = self._cross_mask(inputs_embeds, encoder_hidden_states, encoder_attention_mask)
-
         for layer, layer_type in zip(self.layers, config.layer_types, strict=True):
             hidden_states = layer(
                 hidden_states,
@@ -1012,13 +1058,22 @@ class TfmModel(TfmPreTrainedModel):
                 cache=self_cache,
                 **kwargs,
             )
-        hidden_states = self.norm(hidden_states)
-        cache_out = {CACHE_NAME: cache if use_cache else None}
+        return self.norm(hidden_states)
+
+    def _output(
+        self,
+        hidden_states: torch.Tensor,
+        input_ids: torch.LongTensor | None,
+        attention_mask: torch.Tensor | dict | None,
+        cache: Cache | None,
+    ) -> BaseModelOutputWithPastAndCrossAttentions:
+        """The backbone's output class (with experts: the MoE one), or with BERT's pooler the pooled output too."""
+        config = self.config
         if self.pooler is None:  # `router_logits` is filled in by `capture_outputs` when requested
             output_class = (
                 BaseModelOutputWithPastAndCrossAttentions if config.num_experts is None else TfmMoeModelOutput
             )
-            return output_class(last_hidden_state=hidden_states, **cache_out)
+            return output_class(last_hidden_state=hidden_states, **{CACHE_NAME: cache})
         mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 else None
         pad_mask = None
         if mask is None and input_ids is not None and config.pad_token_id is not None:
@@ -1026,7 +1081,7 @@ class TfmModel(TfmPreTrainedModel):
         return BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=hidden_states,
             pooler_output=self.pooler(pool(hidden_states, mask, config.classifier_pooling, pad_mask)),
-            **cache_out,
+            **{CACHE_NAME: cache},
         )
 
     def _rotary(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> dict[str, tuple]:
@@ -1167,27 +1222,34 @@ class TfmHeadModel(TfmPreTrainedModel):
             **kwargs,
         )
 
-    def with_router_loss(
+    def head_output(
         self,
-        output: ModelOutput,
+        output_class: type[ModelOutput],
         backbone_output: ModelOutput,
         attention_mask: torch.Tensor | dict | None,
         loss_labels: torch.Tensor | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
+        **fields: torch.Tensor | None,
     ) -> ModelOutput:
-        """A head's output with the mixture-of-experts load-balancing loss, where router logits were recorded
-        (`output_router_logits`): `aux_loss`, `router_logits`, and `loss + router_aux_loss_coef * aux_loss`. An MoE
-        model always returns the MoE output class (`MoeCausalLMOutputWithPast`, ...); a dense one its dense class.
+        """What every head's forward ends with, as transformers' `Generic*` heads end: its `output_class` from the
+        head's own `fields` (loss, logits, ...) and the backbone's hidden states, attentions and (where the class has
+        the field) cache.
 
-        Under Trainer's gradient accumulation and DDP (`num_items_in_batch`, the step's label count that the head's
-        loss divides by), `aux_loss` joins the loss with this batch's share of those labels (`loss_labels`, counted
-        as Trainer counts them): the micro-batches' terms then sum to their token-weighted mean, where a plain sum
-        would weigh it by the accumulation steps times the processes.
+        With experts it is the MoE output class (`MoeCausalLMOutputWithPast`, ...), with the load-balancing loss where
+        router logits were recorded (`output_router_logits`): `aux_loss`, `router_logits`, and `loss +
+        router_aux_loss_coef * aux_loss`; a dense model has no routers, and its output is the dense class, as in-tree
+        Llama's. Under Trainer's gradient accumulation and DDP (`num_items_in_batch`, the step's label count that the
+        head's loss divides by), `aux_loss` joins the loss with this batch's share of those labels (`loss_labels`,
+        counted as Trainer counts them): the micro-batches' terms then sum to their token-weighted mean, where a
+        plain sum would weigh it by the accumulation steps times the processes.
         """
+        if CACHE_NAME in output_class.__dataclass_fields__:
+            fields[CACHE_NAME] = getattr(backbone_output, CACHE_NAME)
+        fields |= {"hidden_states": backbone_output.hidden_states, "attentions": backbone_output.attentions}
         if self.config.num_experts is None:
-            return output  # a dense model has no routers: its output class is the dense one, as in-tree Llama's
+            return output_class(**fields)
         router_logits = getattr(backbone_output, "router_logits", None)
-        loss, aux_loss = output.get("loss"), None
+        loss, aux_loss = fields.get("loss"), None
         if router_logits:  # empty when no layer is sparse
             mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 else None
             if mask is not None:  # decoding: the cached tokens' columns have no router logits in this call
@@ -1199,8 +1261,8 @@ class TfmHeadModel(TfmPreTrainedModel):
                 if num_items_in_batch is not None and loss_labels is not None:
                     share = loss_labels.ne(-100).sum() / num_items_in_batch
                 loss = loss + config.router_aux_loss_coef * share * aux_loss.to(loss.device)
-        fields = {**output, "loss": loss, "aux_loss": aux_loss, "router_logits": router_logits}
-        return MOE_OUTPUTS[type(output)](**fields)
+        fields |= {"loss": loss, "aux_loss": aux_loss, "router_logits": router_logits}
+        return MOE_OUTPUTS[output_class](**fields)
 
 
 class TfmForCausalLM(TfmHeadModel, GenerationMixin):
@@ -1245,15 +1307,11 @@ class TfmForCausalLM(TfmHeadModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        output = CausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-        )
         counted = kwargs.get("shift_labels", None if labels is None else labels[..., 1:])  # the items the loss counts
-        return self.with_router_loss(output, outputs, attention_mask, counted, kwargs.get("num_items_in_batch"))
+        items = kwargs.get("num_items_in_batch")
+        return self.head_output(
+            CausalLMOutputWithPast, outputs, attention_mask, counted, items, loss=loss, logits=logits
+        )
 
 
 def pool(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, how: str, pad_mask: torch.Tensor | None):
@@ -1318,10 +1376,8 @@ class TfmForSequenceClassification(TfmHeadModel):
         loss = None
         if labels is not None:
             loss = self.loss_function(labels=labels, pooled_logits=logits, config=self.config)
-        output = SequenceClassifierOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
-        return self.with_router_loss(output, outputs, attention_mask)  # its loss is a batch mean: no item count
+        # its loss is a batch mean: no item count
+        return self.head_output(SequenceClassifierOutput, outputs, attention_mask, loss=loss, logits=logits)
 
 
 class TfmForTokenClassification(TfmHeadModel):
@@ -1349,13 +1405,9 @@ class TfmForTokenClassification(TfmHeadModel):
     ) -> TokenClassifierOutput:
         outputs = self.backbone(input_ids, attention_mask, position_ids, inputs_embeds, token_type_ids, **kwargs)
         logits = self.score(self.dropout(outputs.last_hidden_state))
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits, labels, self.config)
-        output = TokenClassifierOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
-        return self.with_router_loss(output, outputs, attention_mask)  # its loss is a batch mean: no item count
+        loss = None if labels is None else self.loss_function(logits, labels, self.config)
+        # its loss is a batch mean: no item count
+        return self.head_output(TokenClassifierOutput, outputs, attention_mask, loss=loss, logits=logits)
 
 
 class TfmForQuestionAnswering(TfmHeadModel):
@@ -1385,14 +1437,9 @@ class TfmForQuestionAnswering(TfmHeadModel):
         loss = None
         if start_positions is not None and end_positions is not None:
             loss = self.loss_function(start_logits, end_logits, start_positions, end_positions, **kwargs)
-        output = QuestionAnsweringModelOutput(
-            loss=loss,
-            start_logits=start_logits,
-            end_logits=end_logits,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-        )
-        return self.with_router_loss(output, outputs, attention_mask)  # its loss is a batch mean: no item count
+        logits = {"start_logits": start_logits, "end_logits": end_logits}
+        # its loss is a batch mean: no item count
+        return self.head_output(QuestionAnsweringModelOutput, outputs, attention_mask, loss=loss, **logits)
 
 
 class TfmPredictionHead(nn.Module):
@@ -1447,10 +1494,8 @@ class TfmForMaskedLM(TfmHeadModel):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
-        output = MaskedLMOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
-        return self.with_router_loss(output, outputs, attention_mask, labels, kwargs.get("num_items_in_batch"))
+        items = kwargs.get("num_items_in_batch")
+        return self.head_output(MaskedLMOutput, outputs, attention_mask, labels, items, loss=loss, logits=logits)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

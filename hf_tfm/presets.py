@@ -143,11 +143,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def preset_names() -> list[str]:
-    """The preset names, in declaration order."""
-    return list(PRESETS)
-
-
 def load_config(name_or_path: str | os.PathLike, **overrides: Any) -> TfmConfig | TfmSeq2SeqConfig:
     """A config from a preset name, a JSON file, or a model folder holding `config.json`; `overrides` win.
 
@@ -205,4 +200,4 @@ def _load_seq2seq(fields: dict[str, Any], overrides: dict[str, Any]) -> TfmSeq2S
     return TfmSeq2SeqConfig(**top, **sides)
 
 
-__all__ = ["PRESETS", "load_config", "preset_names"]
+__all__ = ["PRESETS", "load_config"]

@@ -328,8 +328,9 @@ RUNTIME_SIZES = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
 
 
 def _runtime_cell(config, format: str) -> str:
-    from hf_tfm.exporters import blockers, gguf_architecture
+    from hf_tfm.exporters import blockers
     from hf_tfm.exporters import onnx as onnx_export
+    from hf_tfm.exporters.gguf import gguf_architecture
 
     sliding_only = format == "onnx" and not onnx_export.onnx_blockers(config, traces_sliding=True)
     if sliding_only and onnx_export.onnx_blockers(config, traces_sliding=False):  # refused on 5.16.1 only

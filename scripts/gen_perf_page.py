@@ -336,8 +336,8 @@ def page_files(page: str) -> list[Path]:
 
 
 def _bench_charts():
-    """scripts/bench/charts.py, loaded alone (the bench package's __init__ imports torch and transformers)."""
-    spec = importlib.util.spec_from_file_location("bench_charts", ROOT / "scripts" / "bench" / "charts.py")
+    """scripts/benchmark/charts.py, loaded alone (the package's __init__ imports torch and transformers)."""
+    spec = importlib.util.spec_from_file_location("bench_charts", ROOT / "scripts" / "benchmark" / "charts.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -2,8 +2,8 @@
 """One command for a CUDA machine: hf_tfm against transformers' in-tree models in bf16, in four independent sections.
 
 - ``training``: a train step (forward, backward, AdamW) of ``TfmForCausalLM`` and of in-tree ``LlamaForCausalLM`` with
-  the same weights (``bench.build_pair``: the Llama built from its config, hf_tfm from ``hf_tfm.from_hf`` of it), at a
-  shape that fills the GPU (24 layers of width 2048, sequence 2048, batch 8 by default; the batch halves after an
+  the same weights (``benchmark.build_pair``: the Llama built from its config, hf_tfm from ``from_hf`` of it), at
+  a shape that fills the GPU (24 layers of width 2048, sequence 2048, batch 8 by default; the batch halves after an
   out-of-memory error). Four variants: eager and compiled, activation checkpointing off and on. In each, both models
   start from the same weights and take ``--steps`` steps on the same batches, interleaved (A B, then B A): the losses
   must agree within bf16 tolerance at every step. Reported: step time ratio, tokens/s, MFU against the chip's dense
@@ -31,9 +31,9 @@ runs it (tests/test_gpu_check.py). Without it and without CUDA the script refuse
 Usage: ``python scripts/gpu_check.py --out scripts/results/gpu_check.json``. See ``--help``.
 """
 
-# Only the standard library and torch are imported here. bench.py, transformers and hf_tfm are imported inside the
-# functions that use them, after `main` has checked for CUDA: their imports print warnings (torchao's, where it is
-# installed) that would bury the one-line refusal.
+# Only the standard library and torch are imported here. The benchmark package, transformers and hf_tfm are imported
+# inside the functions that use them, after `main` has checked for CUDA: their imports print warnings (torchao's,
+# where it is installed) that would bury the one-line refusal.
 from __future__ import annotations
 
 import argparse
@@ -55,10 +55,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench.py sits next to this script
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the benchmark package sits next to this script
 
 if TYPE_CHECKING:
-    from bench import Pair
+    from benchmark import Pair
     from transformers import CompileConfig
     from transformers.generation.utils import GenerateOutput
 
@@ -69,7 +69,7 @@ DTYPE = torch.bfloat16
 # rest.
 SECTIONS = {"training": 0.45, "attention": 0.12, "encoder_moe": 0.10, "decoding": 0.33}
 # Shapes: the GPU run (the training shape fills an H200; the other sections use `aux_layers` layers of the same width
-# so their compiles fit the budget) and the dry run (bench.py's `tiny` widths).
+# so their compiles fit the budget) and the dry run (the benchmark's `tiny` widths).
 SHAPES = {
     "gpu": {
         "layers": 24,
@@ -100,7 +100,7 @@ SHAPES = {
         "budget_s": 600.0,  # not meant to bind: the dry run's job is to run every path
     },
 }
-# bench.in_tree_model gives every model max_position_embeddings=512: BERT's and BART's learned positions end there
+# benchmark.in_tree_model gives every model max_position_embeddings=512: BERT's and BART's learned positions end there
 # (RoPE models read it only for dynamic RoPE scaling, which these configs do not use).
 LEARNED_POSITIONS = 512
 # The loss is an fp32 mean over thousands of tokens of bf16 logits: their roundings (2^-8 relative) average out, and
@@ -244,15 +244,14 @@ def release(device: str) -> None:
 
 def write_report(path: str, report: dict) -> None:
     """Write `path` whole or not at all (a killed run leaves the previous section's report, never half a file)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.partial"
-    with open(tmp, "w") as f:
+    from hf_tfm.checkpoint import staged_file  # after `main`'s CUDA check, as every hf_tfm import here
+
+    with staged_file(path) as tmp, open(tmp, "w") as f:
         json.dump(report, f, indent=1, default=str)
-    os.replace(tmp, path)
 
 
 def run(args: argparse.Namespace, device: str, argv: list[str]) -> dict:
-    import bench
+    import benchmark
     import transformers
 
     warnings.filterwarnings("ignore")
@@ -266,7 +265,7 @@ def run(args: argparse.Namespace, device: str, argv: list[str]) -> dict:
     torch._dynamo.config.recompile_limit = 64
     args.peak_flops, args.peak_source = peak_flops(args, device)
     report = {
-        "machine": bench.machine_info(device),
+        "machine": benchmark.machine_info(device),
         "command": " ".join(["scripts/gpu_check.py", *argv]),
         "dry_run": args.dry_run,
         "dtype": str(DTYPE),
@@ -319,13 +318,13 @@ def run(args: argparse.Namespace, device: str, argv: list[str]) -> dict:
 
 
 def peak_flops(args: argparse.Namespace, device: str) -> tuple[float | None, str]:
-    import bench
+    import benchmark
 
     if args.peak_tflops:
         return args.peak_tflops * 1e12, "--peak-tflops"
     if device == "cuda":
         name = torch.cuda.get_device_name()
-        peak = bench.gpu_peak_bf16_flops(name)
+        peak = benchmark.gpu_peak_bf16_flops(name)
         return peak, f"{name} dense bf16" if peak else f"{name}: unknown peak, no MFU"
     return H200_PEAK, "H200 dense bf16, nominal (dry run on a CPU: the MFU figure is meaningless)"
 
@@ -335,21 +334,21 @@ def peak_flops(args: argparse.Namespace, device: str) -> tuple[float | None, str
 
 
 def build_pair(name: str, layers: int, args: argparse.Namespace, device: str) -> Pair:
-    """bench.py's pair `name` (the in-tree model and `from_hf` of it, same weights, sdpa) at this run's width, built on
-    `device` (initialising 1B parameters on the CPU first would take most of a section's time)."""
-    import bench
+    """The benchmark's pair `name` (the in-tree model and `from_hf` of it, same weights, sdpa) at this run's width,
+    built on `device` (initialising 1B parameters on the CPU first would take most of a section's time)."""
+    import benchmark
 
     # bench's pairs are keyed by size name: this script's sizes are registered under names of their own.
     size = f"gpu_check_{layers}x{args.hidden}"
-    bench.SIZES[size] = {"hidden": args.hidden, "layers": layers, "heads": args.heads, "vocab": args.vocab}
-    bench.SHAPES[size] = {"batch": args.batch, "seq": args.seq, "prompt": args.prompt, "new": args.new}
+    benchmark.SIZES[size] = {"hidden": args.hidden, "layers": layers, "heads": args.heads, "vocab": args.vocab}
+    benchmark.SHAPES[size] = {"batch": args.batch, "seq": args.seq, "prompt": args.prompt, "new": args.new}
     torch.manual_seed(0)
     with torch.device(device):
-        return bench.build_pair(name, size, DTYPE, "sdpa", device)
+        return benchmark.build_pair(name, size, DTYPE, "sdpa", device)
 
 
 def optimizer(model: nn.Module, device: str) -> torch.optim.Optimizer:
-    # fused: one kernel per step on CUDA, as a GPU run would use; foreach on the CPU, as bench.py's steps
+    # fused: one kernel per step on CUDA, as a GPU run would use; foreach on the CPU, as the benchmark's steps
     fused = {"fused": True} if device == "cuda" else {"foreach": True}
     return torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
 
@@ -466,7 +465,7 @@ def losses_agree(result: dict, losses: dict[str, list[float]], steps: int) -> bo
 
 def section_training(args: argparse.Namespace, device: str, deadline: Deadline) -> dict:
     """hf_tfm and in-tree Llama train steps, interleaved, in 4 variants; see the module docstring."""
-    import bench
+    import benchmark
 
     log(f"  building the Llama pair ({args.layers} x {args.hidden}) ...")
     pair = build_pair("llama", args.layers, args, device)
@@ -475,7 +474,7 @@ def section_training(args: argparse.Namespace, device: str, deadline: Deadline) 
     out = {
         "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "vocab": args.vocab},
         "in_tree": pair.theirs_name,
-        "params": bench.n_params(pair.ours),
+        "params": benchmark.n_params(pair.ours),
         "peak_flops": args.peak_flops,
         "peak_flops_source": args.peak_source,
         "variants": [],
@@ -498,13 +497,13 @@ def section_training(args: argparse.Namespace, device: str, deadline: Deadline) 
             steps[side] = train_step(model, device, batches, losses[side], logits=logits[side])
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        times = bench.interleaved(steps, args.steps)
+        times = benchmark.interleaved(steps, args.steps)
         first_logits = logits_diff(logits["ours"].pop(), logits["theirs"].pop())
         shp = {"batch": batch, "seq": args.seq}
-        # Model FLOPs per step (bench.train_flops): 6 x tokens x N, N the matmul parameters (every linear and the LM
-        # head; not the embedding lookup), plus attention's two GEMMs (scores and values) at 6 x 2 x batch x heads x
+        # Model FLOPs per step (benchmark.train_flops): 6 x tokens x N, N the matmul parameters (every linear and the
+        # LM head; not the embedding lookup), plus attention's two GEMMs (scores and values) at 6 x 2 x batch x heads x
         # head_dim x layers per (query, key) pair, over seq^2 / 2 pairs (causal). MFU = that / step time / peak.
-        flops = bench.train_flops(pair, shp)
+        flops = benchmark.train_flops(pair, shp)
         result = {"batch": batch, "seq": args.seq, "tokens_per_step": batch * args.seq, "flops_per_step": flops}
         result["device_peak_bytes"] = torch.cuda.max_memory_allocated() if device == "cuda" else None
         timed_sides(result, times, batch * args.seq, skip_first=True)  # the first step compiles / warms up
@@ -514,7 +513,7 @@ def section_training(args: argparse.Namespace, device: str, deadline: Deadline) 
             r["flops_per_s"] = flops / r["median_s"]
             r["mfu"] = r["flops_per_s"] / args.peak_flops if args.peak_flops else None
             # above what was live at the step's start (weights, AdamW state): activations, gradients, temporaries
-            r["peak_step_bytes"] = bench.peak_step_memory(steps[side], device)
+            r["peak_step_bytes"] = benchmark.peak_step_memory(steps[side], device)
         losses_agree(result, losses, args.steps)
         result["first_step_logits"] = first_logits
         return result
@@ -540,13 +539,11 @@ def section_training(args: argparse.Namespace, device: str, deadline: Deadline) 
     return out
 
 
+ATTENTION_BACKENDS = ["eager", "sdpa", "flex_attention", "flash_attention_2"]
+
+
 def section_attention(args: argparse.Namespace, device: str, deadline: Deadline) -> dict:
     """Each attention backend against eager on the same bf16 model, per case; see the module docstring."""
-    import bench
-
-    from hf_tfm import TfmConfig, TfmForCausalLM
-
-    backends = ["eager", "sdpa", "flex_attention", "flash_attention_2"]
     try:
         import flash_attn  # noqa: F401
 
@@ -561,80 +558,9 @@ def section_attention(args: argparse.Namespace, device: str, deadline: Deadline)
     }
     out = {"batch": batch, "seq": args.seq, "layers": args.aux_layers, "cases": {}, "verdicts": {}}
     out["flash_attn"] = no_flash or "imports"
-    kv_heads = args.heads // 4 if args.heads % 4 == 0 else args.heads  # grouped-query attention, as most models
-
-    def case(overrides: dict, padded: bool) -> dict:
-        config = TfmConfig(
-            vocab_size=args.vocab,
-            hidden_size=args.hidden,
-            num_hidden_layers=args.aux_layers,
-            num_attention_heads=args.heads,
-            num_key_value_heads=kv_heads,
-            max_position_embeddings=args.seq,
-            pad_token_id=0,
-            **overrides,
-        )
-        torch.manual_seed(0)
-        with torch.device(device):
-            reference = TfmForCausalLM(config).to(DTYPE).eval()
-        ids = random_ids(batch, args.seq, args.vocab, device, seed=0)
-        mask = torch.ones_like(ids)
-        if padded:  # row r starts with r/(2 batch) of the sequence as padding: row 0 none, the last almost half
-            for r in range(batch):
-                mask[r, : r * args.seq // (2 * batch)] = 0
-            ids = ids.masked_fill(mask == 0, 0)
-        real = mask.bool()  # padding positions' outputs are undefined (they see no key): zeroed before comparing
-        results, steps, expected = {}, {}, None
-
-        def forward(model: nn.Module) -> Callable[[], torch.Tensor]:
-            def call() -> torch.Tensor:
-                with torch.inference_mode():
-                    logits = model(input_ids=ids, attention_mask=mask).logits
-                bench.sync(device)
-                return logits
-
-            return call
-
-        for backend in backends:
-            rec = results[backend] = {}
-            alibi_on_flash = backend.startswith("flash") and config.position_embedding_type == "alibi"
-            if no_flash and backend.startswith("flash") and not alibi_on_flash:
-                rec["status"] = "not installed"
-                continue
-            try:
-                model = reference if backend == "eager" else copy.deepcopy(reference)
-                if alibi_on_flash:
-                    # hf_tfm refuses in forward, before any kernel runs, so the refusal is checked with or without
-                    # flash_attn installed: the config is set directly (set_attn_implementation would stop at a
-                    # missing package first).
-                    model.config._attn_implementation = backend
-                else:
-                    model.set_attn_implementation(backend)
-                logits = forward(model)()
-            except Exception as err:
-                if alibi_on_flash and isinstance(err, ValueError) and "alibi" in str(err):
-                    rec.update(status="refused", expected="refused", message=str(err))
-                else:
-                    rec.update(status="error", **failure(err))
-                    if alibi_on_flash:
-                        rec["expected"] = "refused"
-                continue
-            if alibi_on_flash:
-                rec.update(status="ran", expected="refused")
-                continue
-            got = logits.masked_fill(~real[..., None], 0)
-            if expected is None:
-                expected = got  # eager, the first backend
-            rec.update(status="ran", **logits_diff(got, expected))
-            steps[backend] = forward(model)
-        times = bench.interleaved(steps, args.rounds)
-        for backend, ts in times.items():
-            results[backend]["median_ms"] = statistics.median(ts) * 1e3
-            results[backend]["speedup_vs_eager"] = statistics.median(times["eager"]) / statistics.median(ts)
-        return {"backends": results}
-
     for name, (overrides, padded) in cases.items():
-        record = attempt({}, deadline, lambda o=overrides, p=padded: case(o, p), f"attention: {name}")
+        case = lambda o=overrides, p=padded: attention_case(args, device, batch, o, p, no_flash)  # noqa: E731
+        record = attempt({}, deadline, case, f"attention: {name}")
         out["cases"][name] = record
         for backend, rec in record.get("backends", {}).items():
             if "close" in rec:
@@ -644,10 +570,96 @@ def section_attention(args: argparse.Namespace, device: str, deadline: Deadline)
     return out
 
 
+def attention_case(
+    args: argparse.Namespace, device: str, batch: int, overrides: dict, padded: bool, no_flash: str | None
+) -> dict:
+    """One case: the same bf16 model on each backend, its logits against eager's (padding positions aside) and its
+    forward's median time; ALiBi on a flash kernel must be refused."""
+    import benchmark
+
+    from hf_tfm import TfmConfig, TfmForCausalLM
+
+    kv_heads = args.heads // 4 if args.heads % 4 == 0 else args.heads  # grouped-query attention, as most models
+    config = TfmConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.aux_layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=args.seq,
+        pad_token_id=0,
+        **overrides,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        reference = TfmForCausalLM(config).to(DTYPE).eval()
+    ids = random_ids(batch, args.seq, args.vocab, device, seed=0)
+    mask = torch.ones_like(ids)
+    if padded:  # row r starts with r/(2 batch) of the sequence as padding: row 0 none, the last almost half
+        for r in range(batch):
+            mask[r, : r * args.seq // (2 * batch)] = 0
+        ids = ids.masked_fill(mask == 0, 0)
+    real = mask.bool()  # padding positions' outputs are undefined (they see no key): zeroed before comparing
+
+    def forward(model: nn.Module) -> Callable[[], torch.Tensor]:
+        def call() -> torch.Tensor:
+            with torch.inference_mode():
+                logits = model(input_ids=ids, attention_mask=mask).logits
+            benchmark.sync(device)
+            return logits
+
+        return call
+
+    results, steps, expected = {}, {}, None
+    for backend in ATTENTION_BACKENDS:
+        results[backend], model, logits = backend_logits(reference, backend, forward, no_flash)
+        if logits is None:
+            continue
+        got = logits.masked_fill(~real[..., None], 0)
+        if expected is None:
+            expected = got  # eager, the first backend
+        results[backend].update(status="ran", **logits_diff(got, expected))
+        steps[backend] = forward(model)
+    times = benchmark.interleaved(steps, args.rounds)
+    for backend, ts in times.items():
+        results[backend]["median_ms"] = statistics.median(ts) * 1e3
+        results[backend]["speedup_vs_eager"] = statistics.median(times["eager"]) / statistics.median(ts)
+    return {"backends": results}
+
+
+def backend_logits(
+    reference: nn.Module,
+    backend: str,
+    forward: Callable[[nn.Module], Callable[[], torch.Tensor]],
+    no_flash: str | None,
+) -> tuple[dict, nn.Module | None, torch.Tensor | None]:
+    """`reference` (or a copy) on `backend`, and its logits; without logits, the record says why (not installed, an
+    error, or ALiBi on flash: refused, as expected, or ran, which it must not)."""
+    alibi_on_flash = backend.startswith("flash") and reference.config.position_embedding_type == "alibi"
+    if no_flash and backend.startswith("flash") and not alibi_on_flash:
+        return {"status": "not installed"}, None, None
+    try:
+        model = reference if backend == "eager" else copy.deepcopy(reference)
+        if alibi_on_flash:
+            # hf_tfm refuses in forward, before any kernel runs, so the refusal is checked with or without flash_attn
+            # installed: the config is set directly (set_attn_implementation would stop at a missing package first).
+            model.config._attn_implementation = backend
+        else:
+            model.set_attn_implementation(backend)
+        logits = forward(model)()
+    except Exception as err:
+        if alibi_on_flash and isinstance(err, ValueError) and "alibi" in str(err):
+            return {"status": "refused", "expected": "refused", "message": str(err)}, None, None
+        return {"status": "error", **failure(err), **({"expected": "refused"} if alibi_on_flash else {})}, None, None
+    if alibi_on_flash:
+        return {"status": "ran", "expected": "refused"}, None, None
+    return {}, model, logits
+
+
 def section_encoder_moe(args: argparse.Namespace, device: str, deadline: Deadline) -> dict:
     """One bf16 train step of the encoder classifier and of the MoE model, then their speed against the in-tree
     models'; see the module docstring."""
-    import bench
+    import benchmark
 
     out = {"models": {}, "verdicts": {}}
     seq_cls = min(args.seq, LEARNED_POSITIONS)
@@ -663,7 +675,7 @@ def section_encoder_moe(args: argparse.Namespace, device: str, deadline: Deadlin
         def at(batch: int) -> dict:
             ids = random_ids(batch, seq, args.vocab, device, seed=0)
             if family == "bert":
-                labels = torch.randint(0, bench.NUM_LABELS, (batch,), generator=torch.Generator().manual_seed(1))
+                labels = torch.randint(0, benchmark.NUM_LABELS, (batch,), generator=torch.Generator().manual_seed(1))
                 data = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels.to(device)}
             else:
                 data = {"input_ids": ids, "labels": ids, "use_cache": False}
@@ -682,7 +694,7 @@ def section_encoder_moe(args: argparse.Namespace, device: str, deadline: Deadlin
                 math.isfinite(x) and result["grads"][side]["finite"] for side, x in result["first_loss"].items()
             )
             result["first_loss_close"] = abs(ours - theirs) <= LOSS_RTOL * abs(theirs)
-            timed_sides(result, bench.interleaved(steps, args.rounds), batch * seq)
+            timed_sides(result, benchmark.interleaved(steps, args.rounds), batch * seq)
             return result
 
         result = halving(at, batch, list(sides.values()), device)
@@ -691,7 +703,7 @@ def section_encoder_moe(args: argparse.Namespace, device: str, deadline: Deadlin
             in_tree=pair.theirs_name,
             is_causal=pair.ours.config.is_causal,
             num_experts=pair.ours.config.num_experts,
-            params=bench.n_params(pair.ours),
+            params=benchmark.n_params(pair.ours),
         )
         return result
 
@@ -712,7 +724,7 @@ def section_encoder_moe(args: argparse.Namespace, device: str, deadline: Deadlin
 def generate(
     model: nn.Module, ids: torch.Tensor, new: int, compile_config: CompileConfig | None, logits: bool = False
 ) -> torch.Tensor | GenerateOutput:
-    """Greedy generate() of exactly `new` tokens (bench.build_pair removed EOS); with `compile_config`: a static
+    """Greedy generate() of exactly `new` tokens (benchmark.build_pair removed EOS); with `compile_config`: a static
     cache and compiled decode steps; with `logits`: the output with each step's logits, else the tokens."""
     extra = {} if compile_config is None else {"cache_implementation": "static", "compile_config": compile_config}
     if logits:
@@ -749,57 +761,7 @@ def greedy_agreement(a: GenerateOutput, b: GenerateOutput) -> dict:
 
 def section_decoding(args: argparse.Namespace, device: str, deadline: Deadline) -> dict:
     """Eager and compiled greedy decoding, hf_tfm against in-tree Llama and BART; see the module docstring."""
-    import bench
-    from transformers import CompileConfig
-
     out = {"prompt": args.prompt, "new": args.new, "layers": args.aux_layers, "cases": [], "verdicts": {}}
-
-    def decode(pair: Pair, batch: int) -> dict:
-        ids = random_ids(batch, args.prompt, args.vocab, device, seed=batch)
-        # One CompileConfig per model, reused: generate() recompiles when it is handed a different one. CUDA graphs
-        # (reduce-overhead) on the GPU; the CPU has none, and compiles there only with the private flag.
-        configs = {}
-        for side in ("ours", "theirs"):
-            configs[side] = CompileConfig(fullgraph=True, dynamic=False)
-            if device != "cuda":
-                configs[side].mode = "default"
-                configs[side]._compile_all_devices = True
-        models = {"ours": pair.ours, "theirs": pair.theirs}
-        runs = {f"{side}_{mode}": (side, mode) for side in models for mode in ("eager", "compiled")}
-        first, tokens, steps = {}, {}, {}
-        result = {"batch": batch, "warmup_s": {}}
-        for key, (side, mode) in runs.items():  # the first call compiles (and records the CUDA graphs)
-            config = configs[side] if mode == "compiled" else None
-            t0 = time.perf_counter()
-            first[key] = generate(models[side], ids, args.new, config, logits=True)
-            bench.sync(device)
-            result["warmup_s"][key] = time.perf_counter() - t0
-
-            def step(model=models[side], key=key, config=config):
-                tokens[key] = generate(model, ids, args.new, config)
-                bench.sync(device)
-
-            steps[key] = step
-        times = bench.interleaved(steps, args.rounds)
-        for mode in ("eager", "compiled"):
-            result[mode] = {
-                side: {"ms_per_token": statistics.median(times[f"{side}_{mode}"]) / args.new * 1e3} for side in models
-            }
-            result[mode]["speedup"] = result[mode]["theirs"]["ms_per_token"] / result[mode]["ours"]["ms_per_token"]
-            result[mode] |= greedy_agreement(first[f"ours_{mode}"], first[f"theirs_{mode}"])
-            # every call gives the tokens of the first (a static cache and CUDA graphs are replayed call after call)
-            result[mode]["repeatable"] = all(
-                bool(torch.equal(tokens[f"{side}_{mode}"], first[f"{side}_{mode}"].sequences)) for side in models
-            )
-        # each model compiled against itself eager: the static cache and compiled steps compute what eager does
-        result["compiled_vs_eager"] = {
-            side: greedy_agreement(first[f"{side}_compiled"], first[f"{side}_eager"]) for side in models
-        }
-        result["ms_per_token_note"] = (
-            f"whole generate() call / {args.new} new tokens (prefill of {args.prompt} included)"
-        )
-        return result
-
     pairs = {}
     for family in ("llama", "bart"):
         try:
@@ -816,7 +778,7 @@ def section_decoding(args: argparse.Namespace, device: str, deadline: Deadline) 
             record = attempt(
                 {"model": family, "in_tree": pair.theirs_name, "batch": batch},
                 deadline,
-                lambda p=pair, b=batch: decode(p, b),
+                lambda p=pair, b=batch: decode_case(args, device, p, b),
                 f"decoding: {label}",
             )
             out["cases"].append(record)
@@ -830,6 +792,56 @@ def section_decoding(args: argparse.Namespace, device: str, deadline: Deadline) 
     return out
 
 
+def decode_case(args: argparse.Namespace, device: str, pair: Pair, batch: int) -> dict:
+    """One batch size: both models' greedy generate(), eager and compiled, timed interleaved; whether they agree,
+    whether each call repeats the first, and each model compiled against itself eager."""
+    import benchmark
+    from transformers import CompileConfig
+
+    ids = random_ids(batch, args.prompt, args.vocab, device, seed=batch)
+    # One CompileConfig per model, reused: generate() recompiles when it is handed a different one. CUDA graphs
+    # (reduce-overhead) on the GPU; the CPU has none, and compiles there only with the private flag.
+    configs = {}
+    for side in ("ours", "theirs"):
+        configs[side] = CompileConfig(fullgraph=True, dynamic=False)
+        if device != "cuda":
+            configs[side].mode = "default"
+            configs[side]._compile_all_devices = True
+    models = {"ours": pair.ours, "theirs": pair.theirs}
+    runs = {f"{side}_{mode}": (side, mode) for side in models for mode in ("eager", "compiled")}
+    first, tokens, steps = {}, {}, {}
+    result = {"batch": batch, "warmup_s": {}}
+    for key, (side, mode) in runs.items():  # the first call compiles (and records the CUDA graphs)
+        config = configs[side] if mode == "compiled" else None
+        t0 = time.perf_counter()
+        first[key] = generate(models[side], ids, args.new, config, logits=True)
+        benchmark.sync(device)
+        result["warmup_s"][key] = time.perf_counter() - t0
+
+        def step(model=models[side], key=key, config=config):
+            tokens[key] = generate(model, ids, args.new, config)
+            benchmark.sync(device)
+
+        steps[key] = step
+    times = benchmark.interleaved(steps, args.rounds)
+    for mode in ("eager", "compiled"):
+        result[mode] = {
+            side: {"ms_per_token": statistics.median(times[f"{side}_{mode}"]) / args.new * 1e3} for side in models
+        }
+        result[mode]["speedup"] = result[mode]["theirs"]["ms_per_token"] / result[mode]["ours"]["ms_per_token"]
+        result[mode] |= greedy_agreement(first[f"ours_{mode}"], first[f"theirs_{mode}"])
+        # every call gives the tokens of the first (a static cache and CUDA graphs are replayed call after call)
+        result[mode]["repeatable"] = all(
+            bool(torch.equal(tokens[f"{side}_{mode}"], first[f"{side}_{mode}"].sequences)) for side in models
+        )
+    # each model compiled against itself eager: the static cache and compiled steps compute what eager does
+    result["compiled_vs_eager"] = {
+        side: greedy_agreement(first[f"{side}_compiled"], first[f"{side}_eager"]) for side in models
+    }
+    result["ms_per_token_note"] = f"whole generate() call / {args.new} new tokens (prefill of {args.prompt} included)"
+    return result
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The printed table
 
@@ -840,77 +852,16 @@ def number(x: float | None, spec: str) -> str:
 
 def summary_table(report: dict) -> str:
     """The headline figures, one row per case: hf_tfm, in-tree, their ratio (> 1: hf_tfm faster) and the verdict."""
-    rows = []
-
-    def add(section: str, case: str, ours: str = "-", theirs: str = "-", ratio: str = "-", verdict: str = "-"):
-        rows.append(f"| {section} | {case} | {ours} | {theirs} | {ratio} | {verdict} |")
-
-    def problem(record: dict) -> str | None:
-        if "skipped" in record:
-            return f"skipped: {record['skipped']}"
-        return f"error: {record['error']}" if "error" in record else None
-
     sections = report["sections"]
-    for name, section in sections.items():
-        if section.get("status") == "error":
-            add(name, "(whole section)", verdict=f"error: {section['error']}")
-    for v in sections.get("training", {}).get("variants", []):
-        case = f"{v['variant']}, batch {v.get('batch', '?')}"
-        if bad := problem(v):
-            add("training", case, verdict=bad)
-            continue
-        o, t = v["ours"], v["theirs"]
-        mfu = f", MFU {o['mfu']:.2f}/{t['mfu']:.2f}" if o["mfu"] is not None else ""
-        add(
-            "training",
-            f"{case}: ms/step, tok/s{mfu}, peak GiB",
-            f"{o['median_s'] * 1e3:.1f}, {o['tokens_per_s']:.0f}, {o['peak_step_bytes'] / 2**30:.2f}",
-            f"{t['median_s'] * 1e3:.1f}, {t['tokens_per_s']:.0f}, {t['peak_step_bytes'] / 2**30:.2f}",
-            f"{v['speedup']:.2f}x",
-            f"losses close: {v['losses_close']} (max rel diff {number(v['max_loss_rel_diff'], '.1e')}), "
-            f"first step's logits close: {v['first_step_logits']['close']}",
-        )
-    for case, record in sections.get("attention", {}).get("cases", {}).items():
-        if bad := problem(record):
-            add("attention", case, verdict=bad)
-            continue
-        for backend, rec in record["backends"].items():
-            if "median_ms" in rec:
-                verdict = f"close: {rec['close']} (max diff {rec['max_abs_diff']:.1e} of {rec['scale']:.1e})"
-                add("attention", f"{case}/{backend}: forward ms", f"{rec['median_ms']:.2f}", verdict=verdict)
-            else:
-                verdict = rec["status"] + (f" (expected {rec['expected']})" if "expected" in rec else "")
-                add(
-                    "attention", f"{case}/{backend}", verdict=verdict + (f": {rec['error']}" if "error" in rec else "")
-                )
-    for name, record in sections.get("encoder_moe", {}).get("models", {}).items():
-        if bad := problem(record):
-            add("encoder_moe", name, verdict=bad)
-            continue
-        o, t = record["ours"], record["theirs"]
-        add(
-            "encoder_moe",
-            f"{name} ({record['in_tree']}, batch {record['batch']} x {record['seq']}): ms/step",
-            f"{o['median_s'] * 1e3:.1f}",
-            f"{t['median_s'] * 1e3:.1f}",
-            f"{record['speedup']:.2f}x",
-            f"finite loss and grads: {record['finite']}",
-        )
-    for record in sections.get("decoding", {}).get("cases", []):
-        case = f"{record.get('in_tree', record['model'])} b{record.get('batch', '?')}"
-        if bad := problem(record):
-            add("decoding", case, verdict=bad)
-            continue
-        for mode in ("eager", "compiled"):
-            r = record[mode]
-            add(
-                "decoding",
-                f"{case} {mode}: ms/token",
-                f"{r['ours']['ms_per_token']:.2f}",
-                f"{r['theirs']['ms_per_token']:.2f}",
-                f"{r['speedup']:.2f}x",
-                f"tokens equal: {r['tokens_equal']}, agree (bf16 ties aside): {r['agree']}",
-            )
+    rows = [
+        row("(whole section)", verdict=f"error: {section['error']}", section=name)
+        for name, section in sections.items()
+        if section.get("status") == "error"
+    ]
+    rows += training_rows(sections.get("training", {}).get("variants", []))
+    rows += attention_rows(sections.get("attention", {}).get("cases", {}))
+    rows += encoder_moe_rows(sections.get("encoder_moe", {}).get("models", {}))
+    rows += decoding_rows(sections.get("decoding", {}).get("cases", []))
     head = "| section | case | hf_tfm | in-tree | in-tree / hf_tfm time | verdict |\n|---|---|---:|---:|---:|---|"
     verdicts = report["verdicts"]
     failed = [k for k, v in verdicts.items() if not v]
@@ -919,6 +870,106 @@ def summary_table(report: dict) -> str:
     )
     tail += f"\nerrors and skipped cases: {len(report['problems'])}"
     return head + "\n" + "\n".join(rows) + tail
+
+
+def row(case: str, ours: str = "-", theirs: str = "-", ratio: str = "-", verdict: str = "-", *, section: str) -> str:
+    return f"| {section} | {case} | {ours} | {theirs} | {ratio} | {verdict} |"
+
+
+def problem(record: dict) -> str | None:
+    """A case's verdict when it did not run: skipped (the time budget) or its error."""
+    if "skipped" in record:
+        return f"skipped: {record['skipped']}"
+    return f"error: {record['error']}" if "error" in record else None
+
+
+def training_rows(variants: list[dict]) -> list[str]:
+    rows = []
+    for v in variants:
+        case = f"{v['variant']}, batch {v.get('batch', '?')}"
+        if bad := problem(v):
+            rows.append(row(case, verdict=bad, section="training"))
+            continue
+        o, t = v["ours"], v["theirs"]
+        mfu = f", MFU {o['mfu']:.2f}/{t['mfu']:.2f}" if o["mfu"] is not None else ""
+        rows.append(
+            row(
+                f"{case}: ms/step, tok/s{mfu}, peak GiB",
+                f"{o['median_s'] * 1e3:.1f}, {o['tokens_per_s']:.0f}, {o['peak_step_bytes'] / 2**30:.2f}",
+                f"{t['median_s'] * 1e3:.1f}, {t['tokens_per_s']:.0f}, {t['peak_step_bytes'] / 2**30:.2f}",
+                f"{v['speedup']:.2f}x",
+                f"losses close: {v['losses_close']} (max rel diff {number(v['max_loss_rel_diff'], '.1e')}), "
+                f"first step's logits close: {v['first_step_logits']['close']}",
+                section="training",
+            )
+        )
+    return rows
+
+
+def attention_rows(cases: dict[str, dict]) -> list[str]:
+    rows = []
+    for case, record in cases.items():
+        if bad := problem(record):
+            rows.append(row(case, verdict=bad, section="attention"))
+            continue
+        for backend, rec in record["backends"].items():
+            if "median_ms" in rec:
+                verdict = f"close: {rec['close']} (max diff {rec['max_abs_diff']:.1e} of {rec['scale']:.1e})"
+                rows.append(
+                    row(
+                        f"{case}/{backend}: forward ms",
+                        f"{rec['median_ms']:.2f}",
+                        verdict=verdict,
+                        section="attention",
+                    )
+                )
+            else:
+                verdict = rec["status"] + (f" (expected {rec['expected']})" if "expected" in rec else "")
+                verdict += f": {rec['error']}" if "error" in rec else ""
+                rows.append(row(f"{case}/{backend}", verdict=verdict, section="attention"))
+    return rows
+
+
+def encoder_moe_rows(models: dict[str, dict]) -> list[str]:
+    rows = []
+    for name, record in models.items():
+        if bad := problem(record):
+            rows.append(row(name, verdict=bad, section="encoder_moe"))
+            continue
+        o, t = record["ours"], record["theirs"]
+        rows.append(
+            row(
+                f"{name} ({record['in_tree']}, batch {record['batch']} x {record['seq']}): ms/step",
+                f"{o['median_s'] * 1e3:.1f}",
+                f"{t['median_s'] * 1e3:.1f}",
+                f"{record['speedup']:.2f}x",
+                f"finite loss and grads: {record['finite']}",
+                section="encoder_moe",
+            )
+        )
+    return rows
+
+
+def decoding_rows(cases: list[dict]) -> list[str]:
+    rows = []
+    for record in cases:
+        case = f"{record.get('in_tree', record['model'])} b{record.get('batch', '?')}"
+        if bad := problem(record):
+            rows.append(row(case, verdict=bad, section="decoding"))
+            continue
+        for mode in ("eager", "compiled"):
+            r = record[mode]
+            rows.append(
+                row(
+                    f"{case} {mode}: ms/token",
+                    f"{r['ours']['ms_per_token']:.2f}",
+                    f"{r['theirs']['ms_per_token']:.2f}",
+                    f"{r['speedup']:.2f}x",
+                    f"tokens equal: {r['tokens_equal']}, agree (bf16 ties aside): {r['agree']}",
+                    section="decoding",
+                )
+            )
+    return rows
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -29,14 +30,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import transformers
-from bench import DECODE_SETTINGS, calibration_python, load_setting, machine_info
+from benchmark import DECODE_SETTINGS, calibration_python, in_process, load_setting, machine_info
 
 from hf_tfm import TfmConfig, TfmForCausalLM, load_for_inference
 from hf_tfm.calibration import METHODS, calibrate
 from hf_tfm.data import stdlib_files
 from hf_tfm.inference.quantize import SETTINGS as QUANTIZE_SETTINGS
-from hf_tfm.recipes import TrainSettings, pack_texts, pretrain_causal_lm
 from hf_tfm.tokenization import train_bpe_tokenizer
+from hf_tfm.training import TrainSettings, pack_texts, pretrain_causal_lm
 
 # The model: the bench's `small` width and depth (the 4-bit kernels need whole blocks: bitsandbytes' output sizes
 # divisible by 32, quanto's int4 groups of 128 input features, hence an intermediate size of 3 x hidden).
@@ -94,7 +95,7 @@ def score(model, blocks: list[list[int]], reference: list[torch.Tensor] | None, 
 
 
 # `--runtimes`: the same fp32 folder exported to each runtime and scored there (ONNX Runtime and CTranslate2 in a
-# process of their own, through scripts/bench_runtime_worker.py); GGUF files read back by transformers' GGUF loader,
+# process of their own, through the benchmark's runtime worker); GGUF files read back by transformers' GGUF loader,
 # which dequantizes them: the cost of llama.cpp's weight rounding, computed in PyTorch.
 RUNTIME_SETTINGS = {
     "onnx_float32": ("onnx", None, "ONNX Runtime, float32 graphs"),
@@ -134,8 +135,6 @@ def load_calibrated(folder: str, method: str, seq_len: int, size: str) -> torch.
 
 def score_runtime(setting: str, folder: str, blocks: list[list[int]], fp32: dict, threads: int) -> dict:
     """Perplexity and greedy agreement of `setting`'s export of `folder`, as `score` reports them."""
-    import subprocess
-
     from transformers import AutoModelForCausalLM
 
     from hf_tfm.exporters import export
@@ -149,24 +148,13 @@ def score_runtime(setting: str, folder: str, blocks: list[list[int]], fp32: dict
         return score(model.eval(), blocks, fp32["argmax"])
     reference = [row for batch in fp32["argmax"] for row in batch.tolist()]
     request = {"mode": "score", "format": fmt, "path": str(out), "blocks": blocks, "reference": reference}
-    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_runtime_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    done = subprocess.run(
-        [sys.executable, worker],
-        input=json.dumps({**request, "threads": threads}),
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "the worker failed")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = in_process(request, threads)
     perplexity = math.exp(result["nll"] / result["count"])
     return {"perplexity": perplexity, "greedy_agreement": result["agree"] / result["count"]}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], list[str]]:
+    """The arguments, and the settings and runtimes they name (every one for `all`)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="small", choices=list(SIZES))
     p.add_argument("--steps", type=int, default=600, help="training steps (batch 16 x --seq-len)")
@@ -186,48 +174,36 @@ def main(argv: list[str] | None = None) -> dict:
     runtimes = list(RUNTIME_SETTINGS) if args.runtimes == "all" else [x for x in (args.runtimes or "").split(",") if x]
     if bad := set(runtimes) - set(RUNTIME_SETTINGS):
         p.error(f"unknown runtimes {sorted(bad)}")
-    warnings.filterwarnings("ignore")
-    transformers.logging.set_verbosity_error()
-    torch.set_num_threads(args.threads)
-    start, load_start = time.time(), os.getloadavg()
+    return args, settings, runtimes
 
-    rows = []
-    with tempfile.TemporaryDirectory() as folder:
-        trained = train_model(args.size, args.steps, args.seq_len, folder)
-        blocks = trained["blocks"]
-        fp32 = score(TfmForCausalLM.from_pretrained(folder).eval(), blocks, None)
-        for setting in settings:
-            print(f"[quality] {setting} ...", file=sys.stderr, flush=True)
-            row = {"setting": setting, "what": SETTINGS[setting]}
-            try:
-                # scored eagerly: the compiled step computes the same products
-                if setting in QUANTIZE_SETTINGS and QUANTIZE_SETTINGS[setting].native:
-                    model = load_for_inference(folder, quantize=setting, compile=False)
-                elif setting.removesuffix("_int4") in METHODS:
-                    model = load_calibrated(folder, setting.removesuffix("_int4"), args.seq_len, args.size)
-                else:
-                    model = load_setting(TfmForCausalLM, folder, setting)
-                result = score(model, blocks, fp32["argmax"])
-            except Exception as err:  # reported, as the bench reports it
-                row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
-            else:
-                row["perplexity"] = result["perplexity"]
-                row["perplexity_vs_fp32"] = result["perplexity"] / fp32["perplexity"] - 1
-                row["greedy_agreement"] = result["greedy_agreement"]
-            rows.append(row)
-        for setting in runtimes:
-            print(f"[quality] {setting} ...", file=sys.stderr, flush=True)
-            row = {"setting": setting, "what": RUNTIME_SETTINGS[setting][2]}
-            try:
-                result = score_runtime(setting, folder, blocks, fp32, args.threads)
-            except Exception as err:  # reported, as the bench reports it
-                row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
-            else:
-                row["perplexity"] = result["perplexity"]
-                row["perplexity_vs_fp32"] = result["perplexity"] / fp32["perplexity"] - 1
-                row["greedy_agreement"] = result["greedy_agreement"]
-            rows.append(row)
 
+def scored_row(setting: str, what: str, scored: Callable[[], dict], fp32: dict) -> dict:
+    """A table row: `scored()`'s perplexity (and against fp32's) and greedy agreement, or its error, reported as the
+    bench reports one."""
+    print(f"[quality] {setting} ...", file=sys.stderr, flush=True)
+    row = {"setting": setting, "what": what}
+    try:
+        result = scored()
+    except Exception as err:
+        row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
+        return row
+    row["perplexity"] = result["perplexity"]
+    row["perplexity_vs_fp32"] = result["perplexity"] / fp32["perplexity"] - 1
+    row["greedy_agreement"] = result["greedy_agreement"]
+    return row
+
+
+def load_weights(folder: str, setting: str, args: argparse.Namespace) -> torch.nn.Module:
+    """The fp32 folder as `setting` loads it: hf_tfm's own quantizers (eager: the compiled step computes the same
+    products), a calibrated int4 checkpoint, or a bench decode setting."""
+    if setting in QUANTIZE_SETTINGS and QUANTIZE_SETTINGS[setting].native:
+        return load_for_inference(folder, quantize=setting, compile=False)
+    if setting.removesuffix("_int4") in METHODS:
+        return load_calibrated(folder, setting.removesuffix("_int4"), args.seq_len, args.size)
+    return load_setting(TfmForCausalLM, folder, setting)
+
+
+def markdown(fp32: dict, rows: list[dict]) -> str:
     lines = [
         f"fp32 held-out perplexity {fp32['perplexity']:.3f} over {fp32['tokens']} next-token predictions",
         "",
@@ -242,7 +218,31 @@ def main(argv: list[str] | None = None) -> dict:
                 f"| {r['setting']} | {r['what']} | {r['perplexity']:.3f} | {100 * r['perplexity_vs_fp32']:+.2f}% "
                 f"| {r['greedy_agreement']:.3f} |"
             )
-    table = "\n".join(lines)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, settings, runtimes = parse_args(argv)
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    start, load_start = time.time(), os.getloadavg()
+
+    with tempfile.TemporaryDirectory() as folder:
+        trained = train_model(args.size, args.steps, args.seq_len, folder)
+        blocks = trained["blocks"]
+        fp32 = score(TfmForCausalLM.from_pretrained(folder).eval(), blocks, None)
+        rows = [
+            scored_row(s, SETTINGS[s], lambda s=s: score(load_weights(folder, s, args), blocks, fp32["argmax"]), fp32)
+            for s in settings
+        ]
+        rows += [
+            scored_row(
+                s, RUNTIME_SETTINGS[s][2], lambda s=s: score_runtime(s, folder, blocks, fp32, args.threads), fp32
+            )
+            for s in runtimes
+        ]
+    table = markdown(fp32, rows)
     print(table)
     out = {
         "machine": {**machine_info("cpu"), "loadavg_start": load_start, "loadavg_end": os.getloadavg()},

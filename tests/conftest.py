@@ -54,12 +54,24 @@ def fresh_dynamo():
 # newcomer's first run takes minutes. Test file -> (the tests, by a regex on their names with parameters; why). The
 # runtime exports keep one case of each kind in `make test`, so every exporter's code still runs there.
 CI_ONLY = {
+    "test_transformers_common.py": (
+        r"(DecoderAlibi|DecoderLearned|DecoderSinusoidal|EncoderRope|EncoderAlibi|EncoderSinusoidal|Seq2SeqModern"
+        r"|Seq2SeqTransformer)Test::",
+        "the mixin's same tests per position scheme and encoder-decoder layout (the rope decoder's, MoE decoder's, "
+        "BERT-like encoder's and BART-like ones' run here; tests/test_modeling.py's grid checks every scheme)",
+    ),
     "test_distributed.py": (r"", "several processes (DDP, FSDP2, TP)"),
     "test_serving.py": (r"test_transformers_serve", "a server"),
     "test_serving_vllm.py": (r"", "vLLM's server, in its own environment"),
     "test_moe.py": (
-        r"test_torchrun|test_tensor_and_expert_parallel|test_moe_checkpoint_loads_under_another",
-        "several processes, every release",
+        r"test_torchrun|test_tensor_and_expert_parallel|test_moe_checkpoint_loads_under_another"
+        r"|test_fullgraph_compile_and_compiled_static_generate\[batched_mm",
+        "several processes, every release; a second experts implementation's compile (grouped_mm's runs here: ~40 s "
+        "each on a fresh machine)",
+    ),
+    "test_seq2seq.py": (
+        r"test_compiled_static_generate_is_fullgraph_and_equals_eager\[bart-like",
+        "a second encoder-decoder's compile (rope-gqa's runs here: ~20 s each on a fresh machine)",
     ),
     "test_training.py": (r"test_free_core_threads_gives_a_busy_process", "two processes competing for the cores"),
     "test_cross_release.py": (r"", "every release's environment"),
@@ -100,7 +112,8 @@ def pytest_collection_modifyitems(items: list) -> None:
     see issue 18's closing note)."""
     for item in items:
         pattern, _ = CI_ONLY.get(item.path.name, (None, None))
-        if pattern is not None and re.match(pattern, item.name):
+        # matched on the test's id within its file: `test_x[params]`, or `Class::test_x` for a class's tests
+        if pattern is not None and re.match(pattern, item.nodeid.split("::", 1)[1]):
             item.add_marker(pytest.mark.ci)
     items.sort(key=lambda item: item.path.name != "test_transformers_common.py")  # stable: the rest keep their order
 

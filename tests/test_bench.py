@@ -18,10 +18,10 @@ BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
 
 
 def load_bench():
-    """The `bench` package (scripts/bench/), imported as scripts/bench.py imports it: from scripts/."""
+    """The `benchmark` package (scripts/benchmark/), imported as scripts/bench.py imports it: from scripts/."""
     if str(BENCH.parent) not in sys.path:
         sys.path.insert(0, str(BENCH.parent))
-    return importlib.import_module("bench")
+    return importlib.import_module("benchmark")
 
 
 @pytest.fixture

@@ -21,8 +21,8 @@ from hf_tfm import TfmForCausalLM, TfmForConditionalGeneration, TfmForSequenceCl
 from hf_tfm.calibration import METHODS, awq_mappings, calibrate
 from hf_tfm.data import stdlib_files
 from hf_tfm.inference import Int8StreamingLinear, StreamingLinear
-from hf_tfm.recipes import pack_texts
 from hf_tfm.tokenization import train_bpe_tokenizer
+from hf_tfm.training import pack_texts
 
 PYTHON = ROOT / ".venv-llmcompressor" / "bin" / "python"
 needs_llmcompressor = pytest.mark.skipif(

@@ -13,7 +13,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoModelForQuestionAnswering, AutoModelForSequenceClassification
 
 import hf_tfm
-from hf_tfm.convert import convert_path, export_blockers, from_hf, to_hf
+from hf_tfm.convert import convert_path, from_hf, in_tree_blockers, to_hf
 
 ATOL = 1e-5
 VOCAB = 97
@@ -214,7 +214,7 @@ def test_unexportable_config_names_every_blocking_knob():
         assert f"`{knob}`" in message
     assert "llama" in message
     # A head the family lacks, and a classifier the family cannot express, are named too.
-    blockers = export_blockers(hf_tfm.TfmConfig(**SMALL, classifier_pooling="mean"), "sequence_classification")
+    blockers = in_tree_blockers(hf_tfm.TfmConfig(**SMALL, classifier_pooling="mean"), "sequence_classification")
     assert any("classifier_pooling" in b for b in blockers["llama"])
     assert any("classifier_bias" in b for b in blockers["llama"])
     with pytest.raises(ValueError, match="masked_lm"):
@@ -223,10 +223,10 @@ def test_unexportable_config_names_every_blocking_knob():
 
 def test_question_answering_exports_and_blocks_by_head():
     config = from_hf(build("llama-qa")).config
-    assert export_blockers(config, "question_answering")["llama"] == []
+    assert in_tree_blockers(config, "question_answering")["llama"] == []
     bert = from_hf(build("bert-qa")).config
     bert.num_labels = 3  # BertForQuestionAnswering sizes qa_outputs by num_labels; hf_tfm's is always 2
-    assert any("num_labels" in b for b in export_blockers(bert, "question_answering")["bert"])
+    assert any("num_labels" in b for b in in_tree_blockers(bert, "question_answering")["bert"])
     with pytest.raises(ValueError, match="num_labels"):
         from_hf(transformers.BertForQuestionAnswering(transformers.BertConfig(**BERT, num_labels=3)))
 

@@ -13,7 +13,7 @@ import transformers
 from transformers import AutoModelForMaskedLM, AutoModelForSequenceClassification
 
 import hf_tfm
-from hf_tfm.convert import convert_path, export_blockers, from_hf, to_hf
+from hf_tfm.convert import convert_path, from_hf, in_tree_blockers, to_hf
 
 ATOL = 1e-5
 VOCAB = 97
@@ -173,11 +173,11 @@ def test_nested_rope_config_validates():
 
 def test_unexportable_modernbert_configs_name_their_knobs():
     config = from_hf(build("mlm")).config
-    blockers = export_blockers(config, "masked_lm")
+    blockers = in_tree_blockers(config, "masked_lm")
     assert blockers["modernbert"] == []
     assert any("first_layer_attn_norm" in b for b in blockers["bert"])
-    assert any("rope_parameters" in b for b in export_blockers(config, "base")["llama"])
-    blockers = export_blockers(
+    assert any("rope_parameters" in b for b in in_tree_blockers(config, "base")["llama"])
+    blockers = in_tree_blockers(
         hf_tfm.TfmConfig(**{**config.to_dict(), "classifier_pooling": "last"}), "token_classification"
     )
     assert any("token_classification" in b for b in blockers["modernbert"])
@@ -190,7 +190,7 @@ def test_question_answering_is_refused_both_ways():
     with pytest.raises(ValueError, match=r"ModernBertForQuestionAnswering.*dense"):
         from_hf(reference)
     config = from_hf(build("base")).config
-    assert any("question_answering" in b for b in export_blockers(config, "question_answering")["modernbert"])
+    assert any("question_answering" in b for b in in_tree_blockers(config, "question_answering")["modernbert"])
     with pytest.raises(ValueError, match=r"Closest family: modernbert.*dense \+ activation \+ norm"):
         to_hf(hf_tfm.TfmForQuestionAnswering(config))
 

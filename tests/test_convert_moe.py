@@ -15,7 +15,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import hf_tfm
-from hf_tfm.convert import convert_path, export_blockers, from_hf, to_hf
+from hf_tfm.convert import convert_path, from_hf, in_tree_blockers, to_hf
 
 ATOL = 1e-5
 VOCAB = 97
@@ -262,14 +262,14 @@ def test_convert_path_both_directions_in_the_published_layout(tmp_path, case, au
 
 def test_moe_configs_export_to_moe_families_only():
     moe = from_hf(build("mixtral-lm")).config
-    blockers = export_blockers(moe, "causal_lm")
+    blockers = in_tree_blockers(moe, "causal_lm")
     assert blockers["mixtral"] == []
     assert any("`num_experts`" in b for b in blockers["llama"])  # dense families name the knob
     dense = hf_tfm.TfmConfig(**SMALL)
-    assert any("`num_experts`" in b for b in export_blockers(dense, "causal_lm")["mixtral"])
+    assert any("`num_experts`" in b for b in in_tree_blockers(dense, "causal_lm")["mixtral"])
 
     no_shared = hf_tfm.TfmConfig(**SMALL, num_experts=4, norm_topk_prob=False)
-    found = export_blockers(no_shared, "causal_lm")
+    found = in_tree_blockers(no_shared, "causal_lm")
     assert any("shared_expert_intermediate_size" in b for b in found["qwen2_moe"])
     assert any("router_weights_fp32" in b for b in found["mixtral"])
     assert any("`qk_norm`" in b for b in found["olmoe"])
@@ -277,8 +277,8 @@ def test_moe_configs_export_to_moe_families_only():
         to_hf(hf_tfm.TfmForCausalLM(no_shared))  # the closest family is one with experts
 
     per_head = hf_tfm.TfmConfig(**SMALL, num_experts=4, norm_topk_prob=False, qk_norm=True)
-    assert any("qk_norm_scope" in b for b in export_blockers(per_head, "causal_lm")["olmoe"])
-    assert any("sequence_classification" in b for b in export_blockers(moe, "sequence_classification")["olmoe"])
+    assert any("qk_norm_scope" in b for b in in_tree_blockers(per_head, "causal_lm")["olmoe"])
+    assert any("sequence_classification" in b for b in in_tree_blockers(moe, "sequence_classification")["olmoe"])
 
 
 def test_in_tree_variants_without_an_equivalent_are_refused():

@@ -15,7 +15,7 @@ import transformers
 from transformers import AutoModelForSeq2SeqLM
 
 import hf_tfm
-from hf_tfm.convert import convert_path, export_blockers, from_hf, to_hf
+from hf_tfm.convert import convert_path, from_hf, in_tree_blockers, to_hf
 from hf_tfm.modeling import CACHE_NAME
 
 ATOL = 1e-5
@@ -168,11 +168,11 @@ def test_unexportable_config_names_every_blocking_knob():
     message = str(err.value)
     for knob in ("encoder.position_embedding_type", "decoder.num_key_value_heads", "decoder.norm_type"):
         assert f"`{knob}`" in message, knob
-    blockers = export_blockers(config, "seq2seq_lm")
+    blockers = in_tree_blockers(config, "seq2seq_lm")
     assert set(blockers) == {"bart", "mbart", "marian"}  # decoder-only and encoder families are not candidates
     ours = from_hf(build("bart-lm")).config
     ours.decoder.hidden_act = "relu"  # BART has one activation for both sides
-    assert any(b.startswith("`decoder.hidden_act`") for b in export_blockers(ours, "seq2seq_lm")["bart"])
+    assert any(b.startswith("`decoder.hidden_act`") for b in in_tree_blockers(ours, "seq2seq_lm")["bart"])
 
 
 def test_a_trained_marian_position_table_is_refused():

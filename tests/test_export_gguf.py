@@ -19,8 +19,9 @@ from export_models import GPT2_BLOCK, NEW_TOKENS, PROMPTS, SIZES, VOCAB, config_
 
 import hf_tfm
 from hf_tfm.cli import main
-from hf_tfm.exporters import export, gguf_architecture, gguf_blockers, gguf_vocab, verify
+from hf_tfm.exporters import export, gguf_vocab, verify
 from hf_tfm.exporters import gguf as gguf_export
+from hf_tfm.exporters.gguf import gguf_architecture, gguf_blockers
 
 gguf = pytest.importorskip("gguf")
 

@@ -19,7 +19,7 @@ from transformers import AutoModelForSequenceClassification, Trainer, TrainingAr
 
 import hf_tfm
 from hf_tfm import TfmForCausalLM, TfmForSequenceClassification
-from hf_tfm.from_torch import TASKS, sinusoidal_table
+from hf_tfm.convert.from_torch import TASKS, sinusoidal_table
 from hf_tfm.training import PadCollator
 
 VOCAB, D, HEADS, FF, LAYERS, MAX_LEN = 99, 32, 4, 48, 2, 64
@@ -374,12 +374,12 @@ def test_readme_example_runs(tmp_path):
 
 def test_causal_lm_import_is_exported_nowhere_with_a_head_bias():
     """`lm_head_bias` blocks export: no in-tree family has a biased causal LM head."""
-    from hf_tfm.convert import export_blockers
+    from hf_tfm.convert import in_tree_blockers
 
     model = TorchModel("causal-lm").imported()
     assert isinstance(model, TfmForCausalLM)
     assert all(
-        any("lm_head_bias" in b for b in found) for found in export_blockers(model.config, "causal_lm").values()
+        any("lm_head_bias" in b for b in found) for found in in_tree_blockers(model.config, "causal_lm").values()
     )
 
 

@@ -93,6 +93,27 @@ def test_a_failing_program_names_the_runtime_and_the_path(tmp_path):
         run_program("ctranslate2_side", {"path": str(missing), "encoder": True, "prompts": [[1]]}, "CTranslate2")
 
 
+@pytest.mark.slow
+def test_run_program_runs_a_file_by_path_and_a_module_by_name(tmp_path, monkeypatch):
+    """Besides its own programs, `run_program` starts a program file elsewhere by its path (the benchmark's worker)
+    and an installed module by its dotted name, its package imported first (`hf_tfm.calibration`), in a process of
+    its own or here; a module that is not installed fails naming the runtime and the path."""
+    (tmp_path / "worker.py").write_text("def run(args):\n    return {'twice': 2 * args['x']}\n")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("LOADED = True\n")
+    side = "from . import LOADED\n\n\ndef run(args):\n    return {'thrice': 3 * args['x'], 'package': LOADED}\n"
+    (tmp_path / "pkg" / "side.py").write_text(side)
+    args = {"path": "somewhere", "x": 2}
+    assert run_program(tmp_path / "worker.py", args, "a worker") == {"twice": 4}
+    assert run_program(tmp_path / "worker.py", args, "a worker", fresh_process=False) == {"twice": 4}
+    found = {"thrice": 6, "package": True}
+    assert run_program("pkg.side", args, "a module", env={"PYTHONPATH": str(tmp_path)}) == found
+    with pytest.raises(RuntimeError, match=r"a module failed on somewhere: (.|\n)*No module named 'pkg'"):
+        run_program("pkg.side", args, "a module")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert run_program("pkg.side", args, "a module", fresh_process=False) == found
+
+
 def test_onnxruntime_side_pads_as_generate_does():
     side = pytest.importorskip("hf_tfm.programs.onnxruntime_side")
     ids, mask = side.padded([[5, 6, 7], [8]], pad=0, left=True)
@@ -108,8 +129,8 @@ def test_standalone_generate_loads_the_folders_own_code(tmp_path):
     import torch
 
     import hf_tfm
-    from hf_tfm.recipes import generate_in_fresh_process
     from hf_tfm.tokenization import train_bpe_tokenizer
+    from hf_tfm.training import generate_in_fresh_process
 
     tokenizer = train_bpe_tokenizer(["def add(a, b):\n    return a + b\n"] * 20, vocab_size=300)
     torch.manual_seed(0)

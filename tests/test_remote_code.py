@@ -23,14 +23,14 @@ from hf_tfm import TfmForCausalLM, load_for_inference
 from hf_tfm.calibration import calibrate
 from hf_tfm.cli import main
 from hf_tfm.commands.serve import SERVE_NAMES_ENV
-from hf_tfm.recipes import (
+from hf_tfm.tokenization import load_tokenizer
+from hf_tfm.training import (
     TrainSettings,
     finetune_classifier,
     load_causal_lm,
     seq2seq_from_causal_lm,
     train_seq2seq,
 )
-from hf_tfm.tokenization import load_tokenizer
 
 MODEL_STOPS = "remote model code ran"  # what the folder's model module raises once it has written its marker
 AUTO_MODELS = (

@@ -344,6 +344,29 @@ def test_a_folder_that_cannot_be_swapped_is_saved_in_place(checkpoints, monkeypa
     assert (folder / "README.md").read_text() == "# my model\n" and leftovers(folder) == []
 
 
+def test_staged_file_replaces_the_file_only_when_complete(tmp_path):
+    """`checkpoint.staged_file` (a GGUF export's write): the new file takes the target's place when the block ends,
+    with the old file's permissions; a block that raises leaves the old file and no staging file behind."""
+    target = tmp_path / "model.gguf"
+    target.write_bytes(b"old")
+    target.chmod(0o640)
+    with pytest.raises(RuntimeError, match="killed"), checkpoint.staged_file(target) as staging:
+        staging.write_bytes(b"half")
+        raise RuntimeError("killed")
+    assert target.read_bytes() == b"old" and leftovers(target) == []
+    with checkpoint.staged_file(target) as staging:
+        assert staging.parent == tmp_path and staging.name.startswith(".model.gguf.partial-")
+        staging.write_bytes(b"new")
+        assert target.read_bytes() == b"old"
+    assert target.read_bytes() == b"new" and leftovers(target) == []
+    assert target.stat().st_mode & 0o777 == 0o640
+    umask = os.umask(0)
+    os.umask(umask)
+    with checkpoint.staged_file(tmp_path / "sub" / "new.bin") as staging:
+        staging.write_bytes(b"x")
+    assert (tmp_path / "sub" / "new.bin").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
 @pytest.mark.slow
 def test_push_to_hub_from_an_overwritten_folder(checkpoints, tmp_path):
     """`save_pretrained(push_to_hub=True)` names the repository after the folder (not its staging name) and uploads

@@ -30,9 +30,8 @@ from transformers import (
 
 from hf_tfm import TfmForCausalLM, TfmForConditionalGeneration, TfmModel, TfmSeq2SeqModel
 from hf_tfm.modeling import SEQ2SEQ_AUTO_MAP
-from hf_tfm.recipes import seq2seq_from_causal_lm
 from hf_tfm.tokenization import train_bpe_tokenizer
-from hf_tfm.training import PadCollator
+from hf_tfm.training import PadCollator, seq2seq_from_causal_lm
 
 EOS = 2
 

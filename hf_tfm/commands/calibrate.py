@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     """Quantize `src` into a staged folder that replaces `dst` once complete."""
     from ..calibration import calibrate
     from ..checkpoint import staged_folder
-    from ..recipes import check_output_dir
+    from ..training import check_output_dir
 
     src = require_model_dir(args.src)
     texts = [Path(f).read_text(encoding="utf-8") for f in args.text] if args.text else None

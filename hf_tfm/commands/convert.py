@@ -20,7 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     """Convert `src` into a staged folder that replaces `dst` once complete."""
     from ..checkpoint import staged_folder
-    from ..recipes import check_output_dir
+    from ..training import check_output_dir
 
     try:
         from ..convert import convert_path

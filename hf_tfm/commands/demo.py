@@ -25,7 +25,7 @@ from ..tokenization import train_bpe_tokenizer
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-    from ..recipes import TrainSettings
+    from ..training import TrainSettings
 
 DOC_PAGE = "docs/cli.md#the-main-job-make-demo"
 
@@ -75,7 +75,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     """The seven stages, written into `--output-dir` all at once when the last is done; then the summary."""
     from ..checkpoint import staged_folder
-    from ..recipes import TrainSettings, check_output_dir
+    from ..training import TrainSettings, check_output_dir
 
     profile_name = "quick" if args.quick else "full"
     profile = PROFILES[profile_name]
@@ -197,7 +197,7 @@ def pretrain_lm(
 ) -> dict[str, Any]:
     """[3/7] The `tiny-decoder` preset at `sizes`, pretrained on the corpus and saved to `folder` with its model card.
     Returns its metrics, as the demo's metrics.json holds them."""
-    from ..recipes import pretrain_causal_lm
+    from ..training import pretrain_causal_lm
 
     config = load_config(
         "tiny-decoder",
@@ -229,7 +229,7 @@ def _write_lm_card(
     lm: dict[str, Any],
 ) -> None:
     """The LM folder's README.md: its data (the split by file, the tokenizer), settings and held-out metrics."""
-    from ..recipes import write_model_card
+    from ..training import write_model_card
 
     write_model_card(
         folder,
@@ -260,7 +260,7 @@ def _write_lm_card(
 def reload_in_fresh_process(folder: Path, max_new_tokens: int, seed: int) -> dict[str, Any]:
     """[4/7] The LM's folder loaded where hf_tfm cannot be imported, from the code it carries, and a sampled
     continuation of each of `PROMPTS`. Returns the class that loaded it and the generations."""
-    from ..recipes import generate_in_fresh_process
+    from ..training import generate_in_fresh_process
 
     print("[4/7] reloading the folder in a fresh process (AutoModelForCausalLM, trust_remote_code, no hf_tfm)")
     reloaded = generate_in_fresh_process(folder, PROMPTS, max_new_tokens, seed)
@@ -284,7 +284,7 @@ def finetune_lora_classifier(
     """[5/7] The LM's weights as a bidirectional encoder with mean pooling, LoRA fine-tuned on which package a
     docstring is from, saved to `folder` (merged, and the adapter alone in `adapter/`, naming `adapter_base` as its
     base) with its model card. Returns its metrics, with the majority-class baseline."""
-    from ..recipes import finetune_classifier
+    from ..training import finetune_classifier
 
     task = corpus.packages
     print(
@@ -327,7 +327,7 @@ def _write_classifier_card(
     """The classifier folder's README.md: the packages, the split by file, LoRA's settings, accuracy vs baseline."""
     from transformers import AutoConfig
 
-    from ..recipes import write_model_card
+    from ..training import write_model_card
 
     write_model_card(
         folder,
@@ -361,7 +361,7 @@ def train_name_seq2seq(
 ) -> dict[str, Any]:
     """[6/7] An encoder-decoder warm-started from the LM (both sides its blocks; a new cross-attention), trained on a
     function's docstring in, its name out, and saved to `folder` with its model card. Returns its metrics."""
-    from ..recipes import seq2seq_from_causal_lm, train_seq2seq
+    from ..training import seq2seq_from_causal_lm, train_seq2seq
 
     names = corpus.names
     print(
@@ -405,7 +405,7 @@ def _write_seq2seq_card(
     folder: Path, config: TfmSeq2SeqConfig, names: PairSplit, settings: "TrainSettings", s2s: dict[str, Any]
 ) -> None:
     """The seq2seq folder's README.md: how it was warm-started, the functions it saw, its scores vs baseline."""
-    from ..recipes import write_model_card
+    from ..training import write_model_card
 
     write_model_card(
         folder,
@@ -455,7 +455,7 @@ def write_report(
     process's generations, the wall time since `start`) in `folder`."""
     import torch
 
-    from ..recipes import plot_loss_curves
+    from ..training import plot_loss_curves
 
     print("[7/7] writing the loss curves and metrics")
     titles = {

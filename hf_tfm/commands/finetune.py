@@ -24,7 +24,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     """Train and save a sequence classifier; print its held-out accuracy next to the majority-class baseline."""
-    from ..recipes import finetune_classifier, training_job
+    from ..training import finetune_classifier, training_job
 
     check_options(args)
     (texts, train_ids), (eval_texts, eval_ids), label_names = _load_labelled(args)
@@ -90,7 +90,7 @@ def _card(
     labels: list[str],
     sizes: tuple[int, int],
 ) -> dict[str, Any]:
-    """The model card's text (`hf_tfm.recipes.write_model_card`): where the model started, its data and accuracy."""
+    """The model card's text (`hf_tfm.training.write_model_card`): where the model started, its data and accuracy."""
     source = f"fine-tuned from `{args.model}`" if args.model else f"trained from scratch, config `{args.config}`"
     return {
         "title": f"Sequence classifier trained with hf-tfm on {Path(args.train_file).name}",

@@ -25,7 +25,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     """Train and save a causal LM; print its held-out loss and perplexity."""
     from ..data import load_texts
-    from ..recipes import load_causal_lm, pretrain_causal_lm, training_job
+    from ..training import load_causal_lm, pretrain_causal_lm, training_job
 
     check_options(args)
     texts, eval_texts = held_out_split(
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 def _card(
     args: argparse.Namespace, settings: dict[str, Any], result: dict[str, Any], *, source: str, texts: int
 ) -> dict[str, Any]:
-    """The model card's text (`hf_tfm.recipes.write_model_card`): where the model started, its data and metrics."""
+    """The model card's text (`hf_tfm.training.write_model_card`): where the model started, its data and metrics."""
     return {
         "title": f"Causal LM trained with hf-tfm on {Path(args.train_file).name}",
         "summary": f"Trained {source} with `hf-tfm pretrain`.",

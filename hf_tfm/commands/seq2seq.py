@@ -14,7 +14,7 @@ Columns = tuple[list[str], list[str]]  # (sources, targets)
 
 def run(args: argparse.Namespace) -> int:
     """Train and save the encoder-decoder `pretrain|finetune --task seq2seq` asks for; print its held-out metrics."""
-    from ..recipes import seq2seq_from_causal_lm, train_seq2seq, training_job
+    from ..training import seq2seq_from_causal_lm, train_seq2seq, training_job
 
     check_options(args)
     train, held = _load_pairs(args)
@@ -85,7 +85,7 @@ def _card(
     lora: bool,
     pairs: tuple[int, int],
 ) -> dict[str, Any]:
-    """The model card's text (`hf_tfm.recipes.write_model_card`): where the model started, its data and metrics."""
+    """The model card's text (`hf_tfm.training.write_model_card`): where the model started, its data and metrics."""
     source = f"fine-tuned from `{args.model}`" if args.model else f"trained from scratch, config `{args.config}`"
     source = f"warm-started from the causal LM `{args.model}`" if from_lm else source
     source += f", tokenizer `{args.tokenizer}`" if args.tokenizer else ""

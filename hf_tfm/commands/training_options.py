@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from .common import CliError, add_trust_remote_code, is_consent_error, load_tokenizer, require_model_dir
 
 if TYPE_CHECKING:
-    from ..recipes import TrainSettings
+    from ..training import TrainSettings
 
 DEFAULT_VOCAB_SIZE = 2048  # of the byte-level BPE trained when neither --model nor --tokenizer gives a tokenizer
 DEFAULT_CONFIGS = {"pretrain": "tiny-decoder", "finetune": "tiny-encoder"}
@@ -90,7 +90,7 @@ def _add_model_args(p: argparse.ArgumentParser, labelled: bool) -> None:
 def check_options(args: argparse.Namespace) -> None:
     """Fill the task's defaults; refuse options another task would silently ignore, and an output folder that holds
     something without `--overwrite` (before any data is read)."""
-    from ..recipes import check_output_dir
+    from ..training import check_output_dir
 
     seq2seq = args.task == "seq2seq"
     for option in ("source_column", "target_column", "max_target_len"):
@@ -113,7 +113,7 @@ def check_options(args: argparse.Namespace) -> None:
 
 def settings_from(args: argparse.Namespace, **defaults: Any) -> "TrainSettings":
     """The `TrainSettings` of the command line's training options, over the command's `defaults`."""
-    from ..recipes import TrainSettings
+    from ..training import TrainSettings
 
     values = dict(defaults)
     for name in ("max_steps", "epochs", "learning_rate", "batch_size", "seq_len", "seed", "warmup_steps"):

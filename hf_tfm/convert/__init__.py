@@ -17,6 +17,6 @@ imported below, in the order `to_hf` should try it.
 from . import llama_like, gpt2, bert, modernbert, mixtral, qwen2_moe, olmoe, bart, marian  # noqa: F401
 
 # isort: on
-from .core import FAMILIES, HEADS, TFM_CLASSES, convert_path, export_blockers, from_hf, to_hf
+from .core import FAMILIES, HEADS, TFM_CLASSES, convert_path, from_hf, in_tree_blockers, to_hf
 
-__all__ = ["FAMILIES", "HEADS", "TFM_CLASSES", "convert_path", "export_blockers", "from_hf", "to_hf"]
+__all__ = ["FAMILIES", "HEADS", "TFM_CLASSES", "convert_path", "from_hf", "in_tree_blockers", "to_hf"]

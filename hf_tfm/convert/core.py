@@ -412,9 +412,9 @@ def from_hf(model_or_path: PreTrainedModel | str | Path) -> modeling.TfmPreTrain
     return _build(TFM_CLASSES[head], config, source, {k: v.detach().clone() for k, v in converted.items()})
 
 
-def export_blockers(config: TfmConfig, head: str = "base") -> dict[str, list[str]]:
-    """For each in-tree family of the config's kind (encoder-decoder or not), the knobs that keep `config` (with this
-    head) from being exported to it."""
+def in_tree_blockers(config: TfmConfig, head: str = "base") -> dict[str, list[str]]:
+    """Why `config` (with this head) cannot become each in-tree transformers family of its kind (encoder-decoder or
+    not): family -> the knobs that keep it out, empty where `to_hf` takes it."""
     seq2seq = isinstance(config, TfmSeq2SeqConfig)
     blockers = {name: family.blockers(config, head) for name, family in FAMILIES.items() if family.seq2seq == seq2seq}
     for name, found in blockers.items():
@@ -446,7 +446,7 @@ def to_hf(model: modeling.TfmPreTrainedModel | str | Path) -> PreTrainedModel:
         model = getattr(modeling, architecture).from_pretrained(model)
     head = _head_of(model)
     config = model.config
-    blockers = export_blockers(config, head)
+    blockers = in_tree_blockers(config, head)
     name = next((name for name, found in blockers.items() if not found and head in FAMILIES[name].classes), None)
     if name is None:
         moe = getattr(config, "num_experts", None) is not None  # closest among those with (or without) experts
@@ -498,4 +498,4 @@ def convert_path(src: str | Path, dst: str | Path) -> PreTrainedModel:
     return converted
 
 
-__all__ = ["convert_path", "export_blockers", "from_hf", "to_hf"]
+__all__ = ["convert_path", "from_hf", "in_tree_blockers", "to_hf"]

@@ -8,8 +8,9 @@
 * `executorch`: one XNNPACK `.pte` program for ExecuTorch's runtime, captured from hf_tfm's code (`executorch.py`).
 
 A config a runtime does not compute exactly is refused with a `ValueError` naming every blocking knob. Each format is
-one `ExportFormat` record in `FORMATS` (`registry.py`), which `export`, `verify`, `hf-tfm info` and the CLI ask; the
-runtime's side of each verification is a program of `hf_tfm.programs`, run in a process of its own.
+one `ExportFormat` record in `FORMATS` (`registry.py`, which imports a format's module when it is first asked for),
+which `export`, `verify`, `hf-tfm info` and the CLI ask; a format's own names (gguf's `gguf_architecture`, ...) come
+from its module. The runtime's side of each verification is a program of `hf_tfm.programs`, in a process of its own.
 `verify(exported, model_or_folder)` runs an export in its runtime, in a fresh process, and compares greedy tokens and
 logits with the model. `hf_tfm.export` is `export`.
 """
@@ -18,13 +19,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-# Each format's module registers its `ExportFormat` on import; this order is `FORMATS`' (and `format_of`'s) order.
-# isort: off
-from . import gguf, onnx, ctranslate2, executorch  # noqa: F401
-
-# isort: on
-from .gguf import TYPES as GGUF_TYPES
-from .gguf import gguf_architecture, gguf_architecture_blockers, gguf_blockers
 from .registry import FORMATS, ExportFormat, get_format
 
 
@@ -93,17 +87,4 @@ def verify(
     return FORMATS[format_of(exported)].verify(exported, model_or_folder, **options)
 
 
-__all__ = [
-    "FORMATS",
-    "GGUF_TYPES",
-    "ExportFormat",
-    "blockers",
-    "export",
-    "format_of",
-    "gguf_architecture",
-    "gguf_architecture_blockers",
-    "gguf_blockers",
-    "output_path",
-    "quantize_types",
-    "verify",
-]
+__all__ = ["FORMATS", "ExportFormat", "blockers", "export", "format_of", "output_path", "quantize_types", "verify"]

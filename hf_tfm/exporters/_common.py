@@ -108,11 +108,11 @@ def other_routes(config: TfmConfig | TfmSeq2SeqConfig, then: str, runtimes: str,
     """The sentence a runtime's refusal ends with: the first in-tree family `hf_tfm.to_hf` exports the config to
     exactly (`then`: what runs that family next) and the `runtimes` that take it too, or `otherwise` when no family
     does."""
-    from ..convert import export_blockers  # the in-tree families: the one thing exporters read of the converter
+    from ..convert import in_tree_blockers  # the in-tree families: the one thing exporters read of the converter
 
     head = "seq2seq_lm" if isinstance(config, TfmSeq2SeqConfig) else "causal_lm" if config.is_causal else "base"
     try:
-        found = export_blockers(config, head)
+        found = in_tree_blockers(config, head)
     except Exception:  # the converter's contract: a config it cannot judge has no route to report
         return otherwise
     family = next((name for name, blockers in found.items() if not blockers), None)

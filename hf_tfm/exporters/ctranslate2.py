@@ -71,7 +71,7 @@ from ._common import (
     other_routes,
     prompt_ids,
 )
-from .registry import ExportFormat, register
+from .registry import ExportFormat
 
 RUNTIME = "CTranslate2"
 SIDE = "ctranslate2_side"  # verification's side (hf_tfm.programs): neither torch nor hf_tfm
@@ -646,21 +646,19 @@ def _verify_encoder(folder: Path, model: torch.nn.Module, prompts: list[list[int
     return {"compute_type": compute_type, "outputs": sorted(theirs), "max_diff": diff, "prompts": len(prompts)}
 
 
-FORMAT = register(
-    ExportFormat(
-        name="ctranslate2",
-        title="CTranslate2",
-        runtime=RUNTIME,
-        takes=(*RUNNERS, "TfmMoeModel"),
-        quantize=tuple(TYPES),
-        requires=("ctranslate2",),
-        blockers=ctranslate2_blockers,
-        refusal=refusal,
-        summary=_summary,
-        export=export_ctranslate2,
-        verify=verify_ctranslate2,
-        recognizes=lambda path: (path / "model.bin").is_file(),
-    )
+FORMAT = ExportFormat(
+    name="ctranslate2",
+    title="CTranslate2",
+    runtime=RUNTIME,
+    takes=(*RUNNERS, "TfmMoeModel"),
+    quantize=tuple(TYPES),
+    requires=("ctranslate2",),
+    blockers=ctranslate2_blockers,
+    refusal=refusal,
+    summary=_summary,
+    export=export_ctranslate2,
+    verify=verify_ctranslate2,
+    recognizes=lambda path: (path / "model.bin").is_file(),
 )
 
 

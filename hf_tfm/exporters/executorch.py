@@ -50,7 +50,7 @@ from ._common import (
     new_tokens,
     prompt_ids,
 )
-from .registry import ExportFormat, register
+from .registry import ExportFormat
 
 RUNTIME = "ExecuTorch"
 # --quantize value -> what is stored (activations too): float32 only for now
@@ -444,21 +444,19 @@ def verify_executorch(
     return {"weights": manifest["weights"], **report, "max_logit_diff": diff}
 
 
-FORMAT = register(
-    ExportFormat(
-        name="executorch",
-        title="ExecuTorch (XNNPACK)",
-        runtime=RUNTIME,
-        takes=TAKES,
-        quantize=tuple(TYPES),
-        requires=("executorch",),
-        blockers=executorch_blockers,
-        refusal=refusal,
-        summary=_summary,
-        export=export_executorch,
-        verify=verify_executorch,
-        recognizes=lambda path: (path / PROGRAM).is_file(),
-    )
+FORMAT = ExportFormat(
+    name="executorch",
+    title="ExecuTorch (XNNPACK)",
+    runtime=RUNTIME,
+    takes=TAKES,
+    quantize=tuple(TYPES),
+    requires=("executorch",),
+    blockers=executorch_blockers,
+    refusal=refusal,
+    summary=_summary,
+    export=export_executorch,
+    verify=verify_executorch,
+    recognizes=lambda path: (path / PROGRAM).is_file(),
 )
 
 

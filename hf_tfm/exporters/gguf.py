@@ -47,12 +47,13 @@ from typing import Any
 
 import torch
 
-from ..checks import need, need_default_head_dim, need_dense, need_full_attention, need_no_gqa, need_rope
+from ..checkpoint import staged_file
+from ..checks import Need, need, need_all, need_default_head_dim, need_no_gqa, need_rope
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
 from ..programs import run_program
 from ._common import agreement_report, encoder_max_diff, eos_ids, greedy_references, other_routes, prompt_ids
 from .gguf_vocab import Vocabulary, gguf_vocabulary, load_tokenizer, tokenizer_agreement, write_vocabulary
-from .registry import ExportFormat, register
+from .registry import ExportFormat
 
 RUNTIME = "llama.cpp"
 ARCHITECTURES = (
@@ -119,135 +120,140 @@ def _import_gguf():
 # Which architecture, or why none
 
 
-def _common_blockers(config: TfmConfig, arch: str, out: list[str]) -> None:
-    """What none of the llama.cpp graphs written here computes (qk-norm: only qwen3's; experts: only the MoE ones)."""
-    family = f"{RUNTIME} {arch}"
-    need(config, out, family, "is_causal", True, "True (a decoder)")
-    need(config, out, family, "add_cross_attention", False)
-    if arch in MOE or (arch == "llama" and config.num_experts is not None):  # llama + experts: Mixtral's block
-        _moe_blockers(config, arch, out)
-    else:
-        need_dense(config, out, family)
-    need(config, out, family, "norm_position", "pre")
-    need(config, out, family, "final_norm", True)
-    need(config, out, family, "first_layer_attn_norm", True)
-    if arch == "bloom":
-        need(config, out, family, "embedding_norm", True, "True (its LayerNorm after the embeddings)")
-    else:
-        need(config, out, family, "embedding_norm", False)
-    if arch != "gptneox":  # gptneox computes either layout
-        need(config, out, family, "parallel_residual", False)
-    if arch in ("qwen3", "qwen3moe"):
-        need(config, out, family, "qk_norm", True, "True (its q/k norms are always there)")
-        if config.qk_norm:
-            need(config, out, family, "qk_norm_scope", "head", "'head' (its q/k norms act per head)")
-    else:
-        need(config, out, family, "qk_norm", False)
-    need(config, out, family, "type_vocab_size", 0)
+# What each llama.cpp graph written here computes, as tables like convert/'s: knob -> the value it needs, or a `Need`
+# (a predicate, the words a refusal gives, when it applies). A refusal names the knobs in the order they are checked:
+# a decoder's inputs, its feed-forward (dense or experts), its layout, its positions, then its block.
+DECODER = {"is_causal": Need(True, "True (a decoder)"), "add_cross_attention": False}
+DENSE = {"num_experts": Need(None, "None (no mixture-of-experts layers)")}
+
+
+def has_experts(config: TfmConfig) -> bool:
+    return config.num_experts is not None
+
+
+# Experts on every layer (llama's graph takes them too: Mixtral's block)
+EXPERTS = {
+    "num_experts": Need(lambda v: v is not None, "experts (a number, not None)"),
+    "mlp_only_layers": Need(lambda v: not v, "none (experts on every layer)", has_experts),
+    "decoder_sparse_step": Need(1, "1 (experts on every layer)", has_experts),
+}
+# How the graph routes: qwen2moe scales by the softmax's top-k probabilities as they are, then adds its shared expert
+RENORMALISED = {
+    "norm_topk_prob": Need(True, "True (top-k probabilities renormalised)", has_experts),
+    "shared_expert_intermediate_size": Need(None, "None (no shared expert)", has_experts),
+}
+ROUTING = dict.fromkeys(("llama", "qwen3moe"), RENORMALISED) | {
+    "qwen2moe": {
+        "norm_topk_prob": Need(False, "False (top-k probabilities not renormalised)", has_experts),
+        "shared_expert_intermediate_size": Need(
+            lambda v: v is not None, "a width (its sigmoid-gated shared expert is always there)", has_experts
+        ),
+    }
+}
+EITHER = Need(lambda value: True)  # a knob the graph computes for any value (a placeholder that keeps the order)
+FULL_ATTENTION = Need(lambda v: set(v) == {"full_attention"}, NO_SLIDING)
+# Pre-norm decoder layout; `LAYOUT` gives an architecture's changes
+PRE_NORM = {
+    "norm_position": "pre",
+    "final_norm": True,
+    "first_layer_attn_norm": True,
+    "embedding_norm": False,
+    "parallel_residual": False,
+    "qk_norm": False,
+    "qk_norm_scope": EITHER,
+    "type_vocab_size": 0,
     # An untied model's scale is folded into its token table; a tied one's would scale the output layer too
-    scaled = "1.0 with tied embeddings (the scale is folded into an untied model's token table)"
-    need(config, out, family, "embedding_scale", lambda v: v == 1.0 or not config.tie_word_embeddings, scaled)
-    need(config, out, family, "lm_head_bias", False)
-    need_full_attention(config, out, family, NO_SLIDING)
+    "embedding_scale": Need(
+        lambda v: v == 1.0,
+        "1.0 with tied embeddings (the scale is folded into an untied model's token table)",
+        lambda config: config.tie_word_embeddings,
+    ),
+    "lm_head_bias": False,
+    "layer_types": FULL_ATTENTION,
+}
+QK_NORM = {
+    "qk_norm": Need(True, "True (its q/k norms are always there)"),
+    "qk_norm_scope": Need("head", "'head' (its q/k norms act per head)", lambda config: config.qk_norm),
+}
+LAYOUT = {
+    "bloom": {"embedding_norm": Need(True, "True (its LayerNorm after the embeddings)")},
+    "gptneox": {"parallel_residual": EITHER},  # either residual layout
+    "qwen3": QK_NORM,
+    "qwen3moe": QK_NORM,
+}
+# Positions: RoPE (of `ROPE_TYPES[arch]`) where an architecture has no entry here
+ABSOLUTE = ("alibi", "learned", "sinusoidal")
+POSITIONS = {
+    "refact": {"position_embedding_type": "alibi"},  # llama.cpp's fixed max_alibi_bias 8: the paper's slopes
+    "gpt2": {"position_embedding_type": "learned"},
+    "bloom": {"position_embedding_type": "alibi"},
+    "mpt": {"position_embedding_type": Need(lambda v: v in ABSOLUTE, f"one of {list(ABSOLUTE)}")},
+}
+# The blocks: llama's (RMSNorm, SwiGLU, no biases), with q/k/v biases (qwen2's), or LayerNorm + tanh-GELU MLP
+LLAMA_BLOCK = {
+    "norm_type": "rmsnorm",
+    "ffn_type": "glu",
+    "hidden_act": "silu",
+    "mlp_bias": False,
+    "attention_out_bias": False,
+    "attention_bias": False,
+}
+QKV_BIAS_BLOCK = LLAMA_BLOCK | {"attention_bias": Need(True, "True (q/k/v biases)")}
+TANH_GELU = Need(lambda v: v in GELU_TANH, f"a tanh GELU, one of {list(GELU_TANH)}")
+MPT_BLOCK = {  # mpt's biases are each optional
+    "position_offset": Need(0, when=lambda config: config.position_embedding_type == "learned"),
+    "norm_type": "layernorm",
+    "ffn_type": "mlp",
+    "hidden_act": TANH_GELU,
+}
+LAYERNORM_BLOCK = MPT_BLOCK | dict.fromkeys(("norm_bias", "mlp_bias", "attention_bias", "attention_out_bias"), True)
+BLOCKS = dict.fromkeys(("llama", "qwen3", "qwen3moe", "refact"), LLAMA_BLOCK)
+BLOCKS |= dict.fromkeys(("qwen2", "qwen2moe"), QKV_BIAS_BLOCK)
+BLOCKS |= dict.fromkeys(("gpt2", "bloom", "gptneox"), LAYERNORM_BLOCK) | {"mpt": MPT_BLOCK}
+# BERT's encoder block, llama.cpp's `bert` graph (embeddings; no KV cache, no task head); then `hidden/heads` heads
+# and full attention
+BERT = {
+    "is_causal": Need(False, "False (an encoder)"),
+    "add_cross_attention": False,
+    **DENSE,
+    "position_embedding_type": "learned",
+    "position_offset": 0,
+    "embedding_norm": Need(True, "True (its LayerNorm after the embeddings)"),
+    "norm_position": "post",
+    "final_norm": Need(False, "False (no norm after the last layer)"),
+    "norm_type": "layernorm",
+    "norm_bias": True,
+    "parallel_residual": False,
+    "qk_norm": False,
+    "ffn_type": "mlp",
+    "hidden_act": TANH_GELU,
+    "embedding_scale": Need(1.0, "1.0 (it scales no embeddings)"),
+}
 
 
-def _moe_blockers(config: TfmConfig, arch: str, out: list[str]) -> None:
-    """Experts on every layer, routed as the architecture's graph routes them."""
-    family = f"{RUNTIME} {arch}"
-    need(config, out, family, "num_experts", lambda v: v is not None, "experts (a number, not None)")
-    if config.num_experts is None:
-        return
-    need(config, out, family, "mlp_only_layers", lambda v: not v, "none (experts on every layer)")
-    need(config, out, family, "decoder_sparse_step", 1, "1 (experts on every layer)")
-    if arch == "qwen2moe":  # its graph scales by the softmax's top-k probabilities as they are, then adds the shared
-        need(config, out, family, "norm_topk_prob", False, "False (top-k probabilities not renormalised)")
-        shared = "a width (its sigmoid-gated shared expert is always there)"
-        need(config, out, family, "shared_expert_intermediate_size", lambda v: v is not None, shared)
-    else:
-        need(config, out, family, "norm_topk_prob", True, "True (top-k probabilities renormalised)")
-        need(config, out, family, "shared_expert_intermediate_size", None, "None (no shared expert)")
-
-
-def _rope_blockers(config: TfmConfig, arch: str, out: list[str]) -> None:
-    family = f"{RUNTIME} {arch}"
-    need(config, out, family, "position_embedding_type", "rope")
-    if config.position_embedding_type == "rope":
-        need_rope(config, out, family, ROPE_TYPES[arch])
-
-
-def _llama_blockers(config: TfmConfig, arch: str) -> list[str]:
+def _blockers(config: TfmConfig, arch: str) -> list[str]:
+    """The knobs that keep `config` from the llama.cpp architecture `arch` (empty: it computes the config)."""
     out: list[str] = []
     family = f"{RUNTIME} {arch}"
-    _common_blockers(config, arch, out)
-    if arch == "refact":  # llama.cpp's fixed max_alibi_bias 8: the paper's slopes, as hf_tfm's
-        need(config, out, family, "position_embedding_type", "alibi")
-    else:
-        _rope_blockers(config, arch, out)
-    need(config, out, family, "norm_type", "rmsnorm")
-    need(config, out, family, "ffn_type", "glu")
-    need(config, out, family, "hidden_act", "silu")
-    need(config, out, family, "mlp_bias", False)
-    need(config, out, family, "attention_out_bias", False)
-    if arch in ("llama", "qwen3", "qwen3moe", "refact"):
-        need(config, out, family, "attention_bias", False)
-    else:
-        need(config, out, family, "attention_bias", True, "True (q/k/v biases)")
+    if arch == "bert":
+        need_all(config, out, family, BERT)
         need_default_head_dim(config, out, family)
-    return out
-
-
-def _layernorm_blockers(config: TfmConfig, arch: str) -> list[str]:
-    """The LayerNorm + tanh-GELU blocks: gpt2 (learned positions), bloom (ALiBi, a norm after the embeddings),
-    gptneox (RoPE, either residual layout) and mpt (ALiBi or a position table, any biases)."""
-    out: list[str] = []
-    family = f"{RUNTIME} {arch}"
-    _common_blockers(config, arch, out)
-    if arch == "gpt2":
-        need(config, out, family, "position_embedding_type", "learned")
-    elif arch == "bloom":  # transformers' BLOOM, the loader that checks the file, builds a 4 * hidden MLP
-        need(config, out, family, "position_embedding_type", "alibi")
+        need_all(config, out, family, {"layer_types": FULL_ATTENTION})
+        return out
+    experts = arch in MOE or (arch == "llama" and config.num_experts is not None)  # llama + experts: Mixtral's
+    need_all(config, out, family, DECODER | (EXPERTS | ROUTING[arch] if experts else DENSE))
+    need_all(config, out, family, PRE_NORM | LAYOUT.get(arch, {}))
+    need_all(config, out, family, POSITIONS.get(arch, {"position_embedding_type": "rope"}))
+    if arch in ROPE_TYPES and config.position_embedding_type == "rope":
+        need_rope(config, out, family, ROPE_TYPES[arch])
+    if arch == "bloom":  # transformers' BLOOM, the loader that checks the file, builds a 4 * hidden MLP
         width = 4 * config.hidden_size
         need(config, out, family, "intermediate_size", width, f"{width} (4 * hidden_size, BLOOM's MLP)")
-    elif arch == "gptneox":
-        _rope_blockers(config, arch, out)
-    else:
-        kinds = ("alibi", "learned", "sinusoidal")
-        need(config, out, family, "position_embedding_type", lambda v: v in kinds, f"one of {list(kinds)}")
-    if config.position_embedding_type == "learned":
-        need(config, out, family, "position_offset", 0)
-    need(config, out, family, "norm_type", "layernorm")
-    need(config, out, family, "ffn_type", "mlp")
-    need(config, out, family, "hidden_act", lambda v: v in GELU_TANH, f"a tanh GELU, one of {list(GELU_TANH)}")
-    if arch != "mpt":  # mpt's biases are each optional; the others' are all there
-        for knob in ("norm_bias", "mlp_bias", "attention_bias", "attention_out_bias"):
-            need(config, out, family, knob, True)
+    need_all(config, out, family, BLOCKS[arch])
     if arch in ("gpt2", "bloom"):
         need_no_gqa(config, out, family)
-    need_default_head_dim(config, out, family)
-    return out
-
-
-def _bert_blockers(config: TfmConfig) -> list[str]:
-    """BERT's encoder block, llama.cpp's `bert` graph (embeddings; no KV cache, no task head)."""
-    out: list[str] = []
-    family = f"{RUNTIME} bert"
-    need(config, out, family, "is_causal", False, "False (an encoder)")
-    need(config, out, family, "add_cross_attention", False)
-    need_dense(config, out, family)
-    need(config, out, family, "position_embedding_type", "learned")
-    need(config, out, family, "position_offset", 0)
-    need(config, out, family, "embedding_norm", True, "True (its LayerNorm after the embeddings)")
-    need(config, out, family, "norm_position", "post")
-    need(config, out, family, "final_norm", False, "False (no norm after the last layer)")
-    need(config, out, family, "norm_type", "layernorm")
-    need(config, out, family, "norm_bias", True)
-    need(config, out, family, "parallel_residual", False)
-    need(config, out, family, "qk_norm", False)
-    need(config, out, family, "ffn_type", "mlp")
-    need(config, out, family, "hidden_act", lambda v: v in GELU_TANH, f"a tanh GELU, one of {list(GELU_TANH)}")
-    need(config, out, family, "embedding_scale", 1.0, "1.0 (it scales no embeddings)")
-    need_default_head_dim(config, out, family)
-    need_full_attention(config, out, family, NO_SLIDING)
+    if arch in ("qwen2", "qwen2moe", *LAYERNORM):
+        need_default_head_dim(config, out, family)
     return out
 
 
@@ -256,19 +262,7 @@ def gguf_architecture_blockers(config: TfmConfig | TfmSeq2SeqConfig) -> dict[str
     if isinstance(config, TfmSeq2SeqConfig):
         why = "an encoder-decoder (TfmSeq2SeqConfig): llama.cpp's decoder architectures have no cross-attention"
         return {arch: [why] for arch in ARCHITECTURES}
-    return {
-        "llama": _llama_blockers(config, "llama"),
-        "qwen2": _llama_blockers(config, "qwen2"),
-        "qwen3": _llama_blockers(config, "qwen3"),
-        "gpt2": _layernorm_blockers(config, "gpt2"),
-        "bloom": _layernorm_blockers(config, "bloom"),
-        "qwen2moe": _llama_blockers(config, "qwen2moe"),
-        "qwen3moe": _llama_blockers(config, "qwen3moe"),
-        "refact": _llama_blockers(config, "refact"),
-        "gptneox": _layernorm_blockers(config, "gptneox"),
-        "mpt": _layernorm_blockers(config, "mpt"),
-        "bert": _bert_blockers(config),
-    }
+    return {arch: _blockers(config, arch) for arch in ARCHITECTURES}
 
 
 def gguf_blockers(config: TfmConfig | TfmSeq2SeqConfig) -> list[str]:
@@ -548,29 +542,20 @@ def export_gguf(
     name = Path(source).name if source else "hf_tfm"
     with torch.no_grad():
         tensors = _tensors(model, arch)
-    # Written beside the output and renamed at the end: a failed export leaves no file, an old one stays whole.
-    tmp, f32 = (_sibling(out, suffix) for suffix in (".tmp", ".f32.tmp"))
-    writer = gguf.GGUFWriter(f32 if python else tmp, arch)
-    try:
-        _write(writer, gguf, config, arch, tensors, vocab, "f32" if python else qtype, name)
+    # Written beside the output and renamed at the end (`staged_file`): a failed export leaves no file, an old one
+    # stays whole. llama.cpp's quantizer reads an F32 file, written first in a scratch folder beside the output.
+    with staged_file(out) as tmp, tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as scratch:
+        f32 = Path(scratch) / "f32.gguf"
+        writer = gguf.GGUFWriter(f32 if python else tmp, arch)
+        try:
+            _write(writer, gguf, config, arch, tensors, vocab, "f32" if python else qtype, name)
+        except BaseException:
+            writer.close()
+            raise
         if python:  # llama.cpp's quantizer rewrites the F32 file, in a process of its own
             args = {"task": "quantize", "path": str(f32), "out": str(tmp), "ftype": LLAMA_CPP_QUANTIZED[qtype]}
             run_program("llama_cpp_side", {**args, "threads": torch.get_num_threads()}, RUNTIME, python=python)
-        os.replace(tmp, out)
-    except BaseException:
-        writer.close()
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    finally:
-        Path(f32).unlink(missing_ok=True)
     return out
-
-
-def _sibling(out: Path, suffix: str) -> Path:
-    """A new empty file beside `out`, hidden, for a write that is renamed to `out` once complete."""
-    fd, path = tempfile.mkstemp(prefix=f".{out.name}.", suffix=suffix, dir=out.parent)
-    os.close(fd)
-    return Path(path)
 
 
 def llama_cpp_python() -> str | None:
@@ -746,23 +731,21 @@ def _arch_of(reader) -> str:
     return _string(reader, "general.architecture")
 
 
-FORMAT = register(
-    ExportFormat(
-        name="gguf",
-        title="GGUF (llama.cpp)",
-        runtime=RUNTIME,
-        takes=tuple(CLASSES),
-        quantize=tuple(TYPES),
-        requires=("gguf",),
-        blockers=gguf_blockers,
-        refusal=refusal,
-        summary=lambda config, architecture: f"architecture {gguf_architecture(config)}",
-        export=export_gguf,
-        verify=verify_gguf,
-        recognizes=lambda path: path.suffix == ".gguf",
-        output_path=output_path,
-        notes=dict.fromkeys(LLAMA_CPP_QUANTIZED, "needs llama.cpp"),
-    )
+FORMAT = ExportFormat(
+    name="gguf",
+    title="GGUF (llama.cpp)",
+    runtime=RUNTIME,
+    takes=tuple(CLASSES),
+    quantize=tuple(TYPES),
+    requires=("gguf",),
+    blockers=gguf_blockers,
+    refusal=refusal,
+    summary=lambda config, architecture: f"architecture {gguf_architecture(config)}",
+    export=export_gguf,
+    verify=verify_gguf,
+    recognizes=lambda path: path.suffix == ".gguf",
+    output_path=output_path,
+    notes=dict.fromkeys(LLAMA_CPP_QUANTIZED, "needs llama.cpp"),
 )
 
 

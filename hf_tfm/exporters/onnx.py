@@ -40,7 +40,7 @@ from ._common import (
     greedy_references,
     prompt_ids,
 )
-from .registry import ExportFormat, register
+from .registry import ExportFormat
 
 RUNTIME = "ONNX Runtime"
 # --quantize value -> what is stored for MatMul weights
@@ -338,21 +338,19 @@ def _verify_encoder(exported: Path, model: torch.nn.Module, prompts: list, manif
     }
 
 
-FORMAT = register(
-    ExportFormat(
-        name="onnx",
-        title="ONNX (ONNX Runtime)",
-        runtime=RUNTIME,
-        takes=(*GENERATORS, *ENCODER_CLASSES),
-        quantize=tuple(TYPES),
-        requires=("onnx", "onnxscript", "onnxruntime"),
-        blockers=onnx_blockers,
-        refusal=refusal,
-        summary=_summary,
-        export=export_onnx,
-        verify=verify_onnx,
-        recognizes=lambda path: path.is_dir() and any(path.glob("*.onnx")),
-    )
+FORMAT = ExportFormat(
+    name="onnx",
+    title="ONNX (ONNX Runtime)",
+    runtime=RUNTIME,
+    takes=(*GENERATORS, *ENCODER_CLASSES),
+    quantize=tuple(TYPES),
+    requires=("onnx", "onnxscript", "onnxruntime"),
+    blockers=onnx_blockers,
+    refusal=refusal,
+    summary=_summary,
+    export=export_onnx,
+    verify=verify_onnx,
+    recognizes=lambda path: path.is_dir() and any(path.glob("*.onnx")),
 )
 
 

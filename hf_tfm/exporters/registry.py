@@ -1,14 +1,16 @@
 """The export formats hf_tfm writes, one `ExportFormat` record each: the model classes it takes, its `quantize` types,
 its blockers, its writer and its verification, and the runtime that runs it.
 
-A format's module builds its record and `register`s it on import (`hf_tfm/exporters/__init__.py` imports them, in the
-order `FORMATS` lists them); `export`, `verify`, `hf-tfm info` and the CLI's `--format` / `--quantize` ask `FORMATS`,
-so a new runtime is a new module and its import line.
+`FORMATS` names each format's module and loads it the first time the format is asked for, as vLLM's model registry
+loads a model's module: listing the formats (`list(FORMATS)`, `--format`'s choices) imports no exporter. A format's
+module defines its record as `FORMAT`; `export`, `verify`, `hf-tfm info` and the CLI ask `FORMATS`, so a new runtime
+is a new module and its line in `FORMAT_MODULES`.
 """
 
+import importlib
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,15 +64,29 @@ def _installed(module: str) -> bool:
         return False
 
 
-FORMATS: dict[str, ExportFormat] = {}
+# Each format -> the module of `hf_tfm.exporters` that defines it (its `FORMAT`), in the order `FORMATS` lists them and
+# `format_of` tries them. Named, not imported: the modules sit above this one (they import `ExportFormat`), and each
+# loads its runtime's helpers, so one loads only when its format is asked for.
+FORMAT_MODULES = {"gguf": "gguf", "onnx": "onnx", "ctranslate2": "ctranslate2", "executorch": "executorch"}
 
 
-def register(export_format: ExportFormat) -> ExportFormat:
-    """Add a format to `FORMATS` (its module calls this on import)."""
-    if export_format.name in FORMATS:
-        raise ValueError(f"An export format `{export_format.name}` is already registered.")
-    FORMATS[export_format.name] = export_format
-    return export_format
+class Formats(Mapping[str, ExportFormat]):
+    """name -> `ExportFormat`: the names from `FORMAT_MODULES`, each record from its module on first use."""
+
+    def __getitem__(self, name: str) -> ExportFormat:
+        if name not in FORMAT_MODULES:
+            raise KeyError(name)
+        module = importlib.import_module(f"{__package__}.{FORMAT_MODULES[name]}")
+        return module.FORMAT
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(FORMAT_MODULES)
+
+    def __len__(self) -> int:
+        return len(FORMAT_MODULES)
+
+
+FORMATS = Formats()
 
 
 def get_format(name: str) -> ExportFormat:
@@ -80,4 +96,4 @@ def get_format(name: str) -> ExportFormat:
     return FORMATS[name]
 
 
-__all__ = ["FORMATS", "ExportFormat", "get_format", "register"]
+__all__ = ["FORMATS", "FORMAT_MODULES", "ExportFormat", "Formats", "get_format"]

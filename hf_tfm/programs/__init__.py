@@ -1,14 +1,17 @@
-"""Programs that run in a process of their own, by path, and the one way hf_tfm runs them (`run_program`).
+"""Programs that run in a process of their own, by path, and the one way hf_tfm starts a process (`run_program`,
+`start_program`).
 
 Each module here but this one is such a program: the runtime's side of an export's verification (`*_side.py`, some
 also copied beside an export as its runner) or the check that a saved folder loads where hf_tfm cannot be imported
 (`standalone_generate.py`). A program imports nothing of hf_tfm, and some run where torch or transformers must not be
 imported, or in another Python (llama.cpp's). Each defines `run(args) -> result`; `launch.py` is the entry of its
 process: it hides the modules the caller blocks, reads `args` as JSON on stdin and writes the result, pickled, to the
-file the caller reads.
+file the caller reads. `run_program` also runs the same kind of program from elsewhere: a file by its path (the
+benchmark's worker) or an installed module by its name (`hf_tfm.calibration`, in llm-compressor's environment).
 """
 
 import atexit
+import importlib
 import json
 import os
 import pickle
@@ -32,19 +35,28 @@ def program_path(name: str) -> Path:
     return path
 
 
+def _program(program: str | os.PathLike) -> str:
+    """What `launch.py` runs: a file's absolute path, or a module's dotted name."""
+    if isinstance(program, os.PathLike):
+        path = Path(program).resolve()
+        if not path.is_file():
+            raise ValueError(f"{program}: no such program file.")
+        return str(path)
+    return program if "." in program else str(program_path(program))
+
+
 class ProgramRun:
     """A program started by `start_program`, running in a process of its own: `done()` says whether it has ended,
     `result()` waits for it and returns `run(args)`'s result, `cancel()` ends it. Its output goes to files, so a
     program that prints much never blocks on a pipe nobody reads."""
 
     def __init__(
-        self, name: str, args: dict[str, Any], runtime: str, python: str, blocked: tuple[str, ...], env
+        self, program: str, args: dict[str, Any], runtime: str, python: str, blocked: tuple[str, ...], env
     ) -> None:
-        self.runtime, self.what = runtime, args.get("path", name)
-        program = program_path(name)
+        self.runtime, self.what = runtime, args.get("path", program)
         self._folder = Path(tempfile.mkdtemp(prefix="hf_tfm_program_"))
         self._result = self._folder / "result.pkl"
-        command = [python, str(LAUNCHER), str(program), str(self._result), *blocked]
+        command = [python, str(LAUNCHER), program, str(self._result), *blocked]
         with (self._folder / "stdout").open("w") as out, (self._folder / "stderr").open("w") as err:
             self._process = subprocess.Popen(
                 command, stdin=subprocess.PIPE, stdout=out, stderr=err, text=True, env=env
@@ -84,7 +96,7 @@ class ProgramRun:
 
 
 def start_program(
-    name: str,
+    program: str | os.PathLike,
     args: dict[str, Any],
     runtime: str,
     *,
@@ -92,16 +104,16 @@ def start_program(
     blocked: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
 ) -> ProgramRun:
-    """Start `run(args)` of the program `name` in a process of its own and return at once: run by `python` (default:
-    this interpreter), where each module in `blocked` cannot be imported (what runs is what a deployment without it
-    runs), with `env` added to this environment. `args` go in as JSON, the result comes back pickled (lists, arrays,
-    or tensors where the program has torch)."""
+    """Start `run(args)` of `program` (named as `run_program` names it) in a process of its own and return at once:
+    run by `python` (default: this interpreter), where each module in `blocked` cannot be imported (what runs is what
+    a deployment without it runs), with `env` added to this environment. `args` go in as JSON, the result comes back
+    pickled (lists, arrays, or tensors where the program has torch)."""
     environment = None if env is None else {**os.environ, **env}
-    return ProgramRun(name, args, runtime, python or sys.executable, blocked, environment)
+    return ProgramRun(_program(program), args, runtime, python or sys.executable, blocked, environment)
 
 
 def run_program(
-    name: str,
+    program: str | os.PathLike,
     args: dict[str, Any],
     runtime: str,
     *,
@@ -111,15 +123,20 @@ def run_program(
     env: dict[str, str] | None = None,
     timeout: float | None = None,
 ) -> Any:
-    """`run(args)` of the program `name`, waited for: `start_program(...).result(timeout)`. `fresh_process=False` runs
-    it here instead, for tests (nothing blocked).
+    """`run(args)` of `program`, waited for: `start_program(...).result(timeout)`. `fresh_process=False` runs it here
+    instead, for tests (nothing blocked).
 
-    A failing program raises `RuntimeError` naming `runtime`, `args["path"]` and its error; one that runs past
-    `timeout` seconds, `subprocess.TimeoutExpired`.
+    `program` is one of this folder's programs by name (`"onnxruntime_side"`), a program file elsewhere by its path
+    (an `os.PathLike`), or an installed module by its dotted name (`"hf_tfm.calibration"`), imported as usual in the
+    process, its package first. A failing program raises `RuntimeError` naming `runtime`, `args["path"]` and its
+    error; one that runs past `timeout` seconds, `subprocess.TimeoutExpired`.
     """
     if not fresh_process:
-        return runpy.run_path(str(program_path(name)))["run"](args)
-    return start_program(name, args, runtime, python=python, blocked=blocked, env=env).result(timeout)
+        target = _program(program)
+        if target.endswith(".py"):
+            return runpy.run_path(target)["run"](args)
+        return importlib.import_module(target).run(args)
+    return start_program(program, args, runtime, python=python, blocked=blocked, env=env).result(timeout)
 
 
 __all__ = ["ProgramRun", "program_path", "run_program", "start_program"]

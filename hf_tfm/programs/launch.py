@@ -2,10 +2,12 @@
 
     python launch.py PROGRAM RESULT [BLOCKED ...] < args.json
 
-It makes each BLOCKED module unimportable, runs the file PROGRAM, calls its `run(args)` and pickles the result to
-RESULT. Standard library only: it runs in Pythons without hf_tfm, torch or transformers.
+It makes each BLOCKED module unimportable, runs PROGRAM (a file's path, or an installed module's dotted name), calls
+its `run(args)` and pickles the result to RESULT. Standard library only: it runs in Pythons without hf_tfm, torch or
+transformers.
 """
 
+import importlib
 import json
 import pickle
 import runpy
@@ -21,7 +23,10 @@ def main() -> None:
     program, result, *blocked = sys.argv[1:]
     for name in blocked:
         sys.modules[name] = None  # `import name` now raises ImportError, as where it is not installed
-    run = runpy.run_path(program, run_name="hf_tfm_program")["run"]
+    if program.endswith(".py"):
+        run = runpy.run_path(program, run_name="hf_tfm_program")["run"]
+    else:  # an installed module: imported as usual, its package's __init__ first
+        run = importlib.import_module(program).run
     output = run(json.load(sys.stdin))
     with open(result, "wb") as file:
         pickle.dump(output, file)

@@ -1,4 +1,4 @@
-"""The check that a folder hf_tfm has just written stands alone (`hf_tfm.recipes.generate_in_fresh_process`): loaded
+"""The check that a folder hf_tfm has just written stands alone (`hf_tfm.training.generate_in_fresh_process`): loaded
 with `AutoModelForCausalLM(trust_remote_code=True)` in a process where hf_tfm cannot be imported, so only the
 folder's own copied code (`configuration.py`, `modeling.py`) can build the model, it samples a continuation of each
 prompt. It runs that code: it is given only such a folder, never one from elsewhere.

@@ -1,13 +1,14 @@
-"""One runtime's greedy decoding, timed in a process of its own (`scripts/bench.py --runtimes` starts one per setting).
+"""One runtime's greedy decoding, timed in a process of its own (`scripts/bench.py --runtimes` starts one per setting,
+through `hf_tfm.programs.run_program`, which runs this file by path and calls `run(request)`).
 
 Two OpenMP runtimes in one process slow each other (CTranslate2 next to torch slowed torch 1.7-2.4x here), so this
-script imports only the runtime it times: torch for hf_tfm, onnxruntime + numpy for ONNX, ctranslate2 for CTranslate2.
-It reads a JSON request on stdin (`format`, `path`, `prompts`, `new`, `rounds`, `threads`; for hf_tfm `quantize`) and
-prints, as JSON, the median seconds of one decode step (`step`) over `rounds` calls of `new` greedy tokens each. The
-prompts may differ in length: hf_tfm and ONNX Runtime left-pad them into one batch, CTranslate2 and llama.cpp take
-them as they are. With `"mode": "ttft"` it prints the median seconds from the call to the first new token (`ttft`),
-the prompts' processing; with `"mode": "score"` (`scripts/quality.py --runtimes`) it scores the export's next-token
-predictions on `blocks` instead.
+file imports only the runtime it times: torch for hf_tfm, onnxruntime + numpy for ONNX, ctranslate2 for CTranslate2;
+nothing of the `benchmark` package, whose `__init__` imports torch and transformers. `run(request)` takes `format`,
+`path`, `prompts`, `new`, `rounds`, `threads` (for hf_tfm `quantize`) and returns the median seconds of one decode
+step (`step`) over `rounds` calls of `new` greedy tokens each. The prompts may differ in length: hf_tfm and ONNX
+Runtime left-pad them into one batch, CTranslate2 and llama.cpp take them as they are. With `"mode": "ttft"` it
+returns the median seconds from the call to the first new token (`ttft`), the prompts' processing; with `"mode":
+"score"` (`scripts/quality.py --runtimes`) it scores the export's next-token predictions on `blocks` instead.
 """
 
 from __future__ import annotations
@@ -223,22 +224,16 @@ def first_token_seconds(run: Runner) -> float:
     return clock.stamps[-1] - start
 
 
-def main() -> None:
-    request = json.loads(sys.stdin.read())
+def run(request: dict) -> dict:
+    """The answer to one request (see the module docstring)."""
     if request.get("mode") == "score":
-        print(json.dumps(score(request)))
-        return
+        return score(request)
     options = {"quantize": request["quantize"]} if request.get("quantize") else {}
-    run = RUNNERS[request["format"]](request["path"], request["prompts"], request["threads"], **options)
+    runner = RUNNERS[request["format"]](request["path"], request["prompts"], request["threads"], **options)
     if request.get("mode") == "ttft":
-        first_token_seconds(run)  # warm-up: kernels, allocations, caches (and compiling, for this prompt's length)
-        times = [first_token_seconds(run) for _ in range(request["rounds"])]
-        print(json.dumps({"ttft": statistics.median(times)}))
-        return
-    step_seconds(run, request["new"])  # warm-up: kernels, allocations, caches (and compiling)
-    steps = [step_seconds(run, request["new"]) for _ in range(request["rounds"])]
-    print(json.dumps({"step": statistics.median(steps)}))
-
-
-if __name__ == "__main__":
-    main()
+        first_token_seconds(runner)  # warm-up: kernels, allocations, caches (and compiling, for this prompt's length)
+        times = [first_token_seconds(runner) for _ in range(request["rounds"])]
+        return {"ttft": statistics.median(times)}
+    step_seconds(runner, request["new"])  # warm-up: kernels, allocations, caches (and compiling)
+    steps = [step_seconds(runner, request["new"]) for _ in range(request["rounds"])]
+    return {"step": statistics.median(steps)}

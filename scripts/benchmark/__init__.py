@@ -10,7 +10,9 @@ weight setting, and in other runtimes.
 - `report`: the markdown tables; `charts`: the PNG charts
 - `cli`: the arguments, and what runs for them
 
-It is imported as `bench`, with scripts/ on the import path (scripts/bench.py, scripts/gpu_check.py and
+- `runtime_worker`: one runtime's decoding, in a process of its own (run by path through `hf_tfm.programs.run_program`)
+
+It is imported as `benchmark`, with scripts/ on the import path (scripts/bench.py, scripts/gpu_check.py and
 scripts/quality.py put it there); the names below are what they and the tests use.
 """
 
@@ -37,7 +39,7 @@ from .models import (
     n_params,
 )
 from .pairs import KERNELS_BY_TASK
-from .runtimes import LLMCOMPRESSOR_PYTHON, TTFT_PROMPTS, calibration_python
+from .runtimes import LLMCOMPRESSOR_PYTHON, TTFT_PROMPTS, calibration_python, in_process
 from .steps import TRAIN_TASKS, train_flops
 
 __all__ = [
@@ -56,6 +58,7 @@ __all__ = [
     "build_pair",
     "calibration_python",
     "gpu_peak_bf16_flops",
+    "in_process",
     "in_tree_model",
     "interleaved",
     "load_setting",

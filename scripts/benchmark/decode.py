@@ -21,11 +21,11 @@ from collections.abc import Callable
 
 import torch
 import transformers
-from bench_runtime_worker import StepClock, left_padded
 from torch import nn
 
 from .measure import alternating
 from .models import SHAPES, SIZES, build_pair
+from .runtime_worker import StepClock, left_padded
 from .steps import random_prompts
 
 

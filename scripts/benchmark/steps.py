@@ -19,11 +19,11 @@ import contextlib
 from collections.abc import Callable
 
 import torch
-from bench_runtime_worker import left_padded
 from torch import nn
 
 from .measure import sync, timed
 from .models import NUM_LABELS, Pair, s2s_shapes
+from .runtime_worker import left_padded
 
 TRAIN_TASKS = ("train", "cls_train", "s2s_train")
 

@@ -22,8 +22,8 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.utils import logging
 
-from .configuration import TfmConfig, TfmSeq2SeqConfig
-from .modeling import (
+from ..configuration import TfmConfig, TfmSeq2SeqConfig
+from ..modeling import (
     TfmForCausalLM,
     TfmForConditionalGeneration,
     TfmForMaskedLM,

@@ -1,5 +1,5 @@
 """Runtimes (``--runtimes``): the same weights in hf_tfm and exported to ONNX Runtime, CTranslate2 and llama.cpp, each
-decoding in a process of its own (scripts/bench_runtime_worker.py), one after another.
+decoding in a process of its own (`runtime_worker.py`, through `hf_tfm.programs.run_program`), one after another.
 
 Per setting: ms per decode step at each batch size, the weight bytes a step reads and their fraction of the
 streaming bandwidth, and the speedup over hf_tfm fp32 (the reference, always measured). With ``--ttft``, the time to
@@ -10,9 +10,7 @@ its next token, again in a process of its own per prompt length, with its speedu
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -64,7 +62,7 @@ RUNTIME_SETTINGS = {
     "llama.cpp q4_k_m": ("gguf", "q4_k_m", "llama.cpp, Q4_K_M weights (llama.cpp's quantizer: Q4_K, some Q6_K)"),
 }
 REFERENCE = "hf_tfm fp32"  # the runtime every speedup is over
-WORKER = SCRIPTS / "bench_runtime_worker.py"
+WORKER = Path(__file__).resolve().parent / "runtime_worker.py"
 # llama.cpp runs in its own environment (`make llama-cpp-env`), where neither torch nor hf_tfm is installed
 LLAMA_CPP_PYTHON = SCRIPTS.parent / ".venv-llama-cpp" / "bin" / "python"
 # prompt lengths of the time to the first token (`--ttft`): a short and a long request
@@ -84,20 +82,19 @@ def _weight_bytes(fmt: str, path: str, model: nn.Module) -> int:
 
 def in_process(request: dict, threads: int) -> dict:
     """The worker's answer to `request` (its `format`'s runtime, in a process of its own: llama.cpp's in its own
-    environment)."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    environment); a `RuntimeError` with the worker's last line of error output where it fails."""
+    from hf_tfm.programs import run_program
+
     python = sys.executable
     if request["format"] == "gguf":
         if not LLAMA_CPP_PYTHON.is_file():
             raise RuntimeError("llama.cpp's environment is missing: make llama-cpp-env")
         python = str(LLAMA_CPP_PYTHON)
-    request = {**request, "threads": threads}
-    done = subprocess.run(
-        [python, str(WORKER)], input=json.dumps(request), capture_output=True, text=True, env=env, check=False
-    )
-    if done.returncode != 0:
-        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "the worker failed")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    try:
+        return run_program(WORKER, {**request, "threads": threads}, request["format"], python=python, env=env)
+    except RuntimeError as err:  # the table's cell: the worker's own error, not the launch around it
+        raise RuntimeError(str(err).strip().splitlines()[-1]) from err
 
 
 def runtimes(size: str, args: argparse.Namespace, bandwidth: dict) -> list[dict]:
