@@ -90,7 +90,18 @@ def _prepare_cache_for_generation(
         generation_config.cache_implementation = None
         cache.reserve(max_cache_length + 1)
     elif generation_mode == GenerationMode.ASSISTED_GENERATION:
-        max_cache_length += _drafted_tokens(generation_config)
+        made = type(self)._prepare_cache_for_generation(
+            self,
+            generation_config,
+            model_kwargs,
+            generation_mode,
+            batch_size,
+            max_cache_length + _drafted_tokens(generation_config),
+        )
+        # The cache is made: older transformers (5.16 to 5.20 at least) refuse assisted generation where the config
+        # (this call's copy) still names a static cache, though the DecodeCache it made crops as a dynamic one does
+        generation_config.cache_implementation = None
+        return made
     return type(self)._prepare_cache_for_generation(
         self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
     )
