@@ -50,8 +50,9 @@ matrix-env:
 # (about 2 minutes a release), the documentation pages' code and the runtime exports through transformers. The files
 # in NEWEST_ONLY run on the newest release alone: the benchmark and GPU-check scripts' own tests (tooling, whose model
 # code the other files test per release) and CTranslate2 (its export is built from the config, not by transformers).
-# The releases between run the rest without the slow tests (multi-process, end-to-end, compile): the ends run those,
-# and tests/test_cross_release.py loads checkpoints into every release's environment from both ends.
+# The releases between run what `make test` runs, without the slow tests (multi-process, end-to-end, compile) and
+# without CI's extra cases (the runtimes per variant, servers): the ends run those, and tests/test_cross_release.py
+# loads checkpoints into every release's environment from both ends.
 #
 # Two lanes share the machine's 2 cores: the newest release in one (its output live), the pinned releases one after
 # another in the other, then NEWEST_ONLY on the newest release (that lane's output in MATRIX_LOG, printed when both
@@ -74,7 +75,7 @@ test-matrix: matrix-env
 	( export OMP_NUM_THREADS=1; set -e; for v in $(MATRIX); do \
 		case " $(COMMON_ENDS) " in \
 			*" $$v "*) skip="$(addprefix --ignore=,$(NEWEST_ONLY))"; marks="not solo";; \
-			*) skip="$(addprefix --ignore=,$(ENDS_ONLY) $(NEWEST_ONLY))"; marks="not slow and not solo";; \
+			*) skip="$(addprefix --ignore=,$(ENDS_ONLY) $(NEWEST_ONLY))"; marks="not slow and not solo and not ci";; \
 		esac; \
 		HF_MODULES_CACHE=$(MATRIX_TMP)/modules-$$v $(MAKE) test TRANSFORMERS=$$v WORKERS=1 MARKS="$$marks" \
 			ARGS="$$skip $(ARGS)"; \

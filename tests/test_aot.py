@@ -20,6 +20,9 @@ from hf_tfm import TfmForConditionalGeneration, load_for_inference
 from hf_tfm.inference.aot import CompiledDecodeStep, install, step_blockers
 from hf_tfm.inference.kernels import native_kernels_available
 
+# Each test compiles a decode step (seconds to tens of seconds): CI runs them on the release range's ends only
+pytestmark = pytest.mark.slow
+
 PROMPTS = torch.tensor([[1, *CYCLE[3:12]], [1, *CYCLE[30:39]]])  # two prompts of one length
 # a left-padded batch of three prompts of different lengths (pad id 0)
 PADDED = torch.tensor([[0, 0, 0, 0, 1, *CYCLE[3:8]], [1, *CYCLE[20:29]], [0, 0, 1, *CYCLE[40:47]]])

@@ -18,6 +18,9 @@ from hf_tfm.cli import main
 from hf_tfm.inference import precompile
 from hf_tfm.inference.kernels import native_kernels_available
 
+# Each test compiles a decode step (seconds to tens of seconds): CI runs them on the release range's ends only
+pytestmark = pytest.mark.slow
+
 LAYERS, DRAFT_LAYERS = 4, 1
 PROMPT = torch.tensor([[1, 12, 7, 33, 12, 7, 33, 12, 7]])  # repeats itself: prompt lookup finds drafts in it
 GREEDY = {"max_new_tokens": 24, "min_new_tokens": 24, "do_sample": False}

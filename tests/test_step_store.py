@@ -18,6 +18,9 @@ from hf_tfm import TfmForCausalLM, load_for_inference
 from hf_tfm.cli import main
 from hf_tfm.inference import aot, precompile, step_store
 
+# Each test compiles a decode step (seconds to tens of seconds): CI runs them on the release range's ends only
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).resolve().parent
 PROMPTS = torch.tensor([[1, 5, 9, 13, 17, 21], [0, 0, 1, 7, 14, 28]])
 MASK = (PROMPTS != 0).long()
