@@ -179,6 +179,30 @@ def _meta_copy(step: _Step) -> _Step:
         model.__dict__.update(installed)
 
 
+# The compiles running beside this process, whichever model started them, and the thread count it had before the
+# first: while any runs, this process keeps one core fewer (two busy processes on every core would each spin-wait for
+# the other), and a model installed meanwhile still keys its libraries by the full count.
+_COMPILES = {"running": 0, "threads": 0}
+
+
+def _process_threads() -> int:
+    """This process's thread count, as it is when no compile runs beside it."""
+    return _COMPILES["threads"] if _COMPILES["running"] else torch.get_num_threads()
+
+
+def _compile_started() -> None:
+    if _COMPILES["running"] == 0:
+        _COMPILES["threads"] = torch.get_num_threads()
+        torch.set_num_threads(max(1, _COMPILES["threads"] - 1))
+    _COMPILES["running"] += 1
+
+
+def _compile_ended() -> None:
+    _COMPILES["running"] -= 1
+    if _COMPILES["running"] == 0:
+        torch.set_num_threads(_COMPILES["threads"])
+
+
 class CompiledDecodeStep:
     """The decode steps of `model` through compiled libraries (see the module's docstring).
 
@@ -195,7 +219,7 @@ class CompiledDecodeStep:
         if background is None:
             background = os.environ.get("HF_TFM_COMPILE_IN_BACKGROUND", "1") != "0"
         self.background = background  # False: a first call waits for its library instead of decoding without it
-        self.threads = torch.get_num_threads()  # what the libraries are compiled for
+        self.threads = _process_threads()  # what the libraries are compiled for
         self.libraries: dict[tuple[str, int], Any] = {}  # (kind, batch size) -> library
         self.compiling: dict[tuple[str, int], ProgramRun] = {}
         self.failed: set[tuple[str, int]] = set()
@@ -279,8 +303,7 @@ class CompiledDecodeStep:
         if not (wait or run.done()):
             return None
         del self.compiling[which]
-        if not self.compiling:
-            torch.set_num_threads(self.threads)
+        _compile_ended()
         try:
             self.compiled[which] = run.result()["seconds"]
         except RuntimeError as error:
@@ -331,8 +354,7 @@ class CompiledDecodeStep:
             "description": {"kind": kind, "batch": batch, "model": type(self.model).__name__},
         }
         self.compiling[which] = start_program("compile_step", args, "the decode step's compiler")
-        if self.threads > 1:  # two busy processes on every core would each spin-wait for the other
-            torch.set_num_threads(self.threads - 1)
+        _compile_started()
         logger.warning(
             "hf_tfm: compiling the decode step (%s, batch %d) for this machine, once (the next processes load it)%s",
             kind,
@@ -383,8 +405,7 @@ class CompiledDecodeStep:
         """Stop the compiles still running (their libraries are not stored) and give the threads back."""
         for run in self.compiling.values():
             run.cancel()
-        if self.compiling:
-            torch.set_num_threads(self.threads)
+            _compile_ended()
         self.compiling.clear()
 
 
