@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import html
 import importlib.util
 import json
 import re
@@ -111,7 +112,17 @@ def command_line(run: dict) -> str:
         else:
             kept.append(word)
     prefix = "OMP_NUM_THREADS=2 .venv/bin/python" if words[0].endswith("bench.py") else ".venv/bin/python"
-    return f"`{prefix} {' '.join(kept)} --json {run['name']}`"
+    return _html_code([*prefix.split(), *kept, "--json", run["name"]])
+
+
+def _html_code(words: list[str]) -> str:
+    """Inline code that wraps only between words and after the commas of a list: HTML rather than a code span, each
+    word a `nowrap` span (`--padded` stays whole), a <wbr> after each comma (a long list of settings wraps)."""
+    spans = [
+        html.escape(word).replace(",", ",<wbr>") if "," in word else f'<span class="nowrap">{html.escape(word)}</span>'
+        for word in words
+    ]
+    return "<code>" + " ".join(spans) + "</code>"
 
 
 def load(paths: list[Path]) -> list[dict]:
