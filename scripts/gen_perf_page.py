@@ -44,7 +44,9 @@ SECTIONS = {
         "ms per new token and the first token's ms (from the call to the first new token after a prompt of 128 or "
         "512 tokens, batch 1) are medians of the rounds; the bandwidth fraction is the weight bytes a step reads over "
         "its time, against the machine's streaming bandwidth (an export's bytes are its weight file, an upper bound). "
-        "Under each table, each hf_tfm setting over llama.cpp's of the same bits: above 1, hf_tfm is faster.",
+        "Under each table, each hf_tfm setting over llama.cpp's of the same bits: above 1, hf_tfm is faster. "
+        "hf_tfm's rows are warm: their compiled steps were built before the rounds, as they are once per machine "
+        "([Compiled once per machine](fast-inference.md#compiled-once-per-machine)).",
     ),
     "pairs": (
         "Against the in-tree models",
