@@ -176,10 +176,10 @@ def test_demo_baselines_count_no_padding():
 
     tokenizer = train_bpe_tokenizer([f"open file {i}" for i in range(50)], vocab_size=300)
     texts = [" open", " read file name now"]
-    plain = _token_ids(tokenizer, texts, special=False, max_len=12)
+    plain = _token_ids(tokenizer, texts, special=False, max_len=32)  # none cut
     assert plain == [[*tokenizer(t, add_special_tokens=False).input_ids, tokenizer.eos_token_id] for t in texts]
     tokenizer(texts, padding=True, truncation=True, max_length=3)  # as a batch for generation leaves the backend
-    assert _token_ids(tokenizer, texts, special=False, max_len=12) == plain
+    assert _token_ids(tokenizer, texts, special=False, max_len=32) == plain
     assert unigram_loss(plain, plain, len(tokenizer)) > 0
 
 
