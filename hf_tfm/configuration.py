@@ -207,7 +207,7 @@ class TfmConfig(PreTrainedConfig):
     # sqrt(hidden_size) with sinusoidal positions (the paper's; their token table then starts with std
     # 1/sqrt(hidden_size), as in tensor2tensor and fairseq: see `_init_weights`), else 1.0. Unscaled at
     # initializer_range, tokens are ~50x smaller than the +-1 table they are added to, and bf16 gets ~15% of their
-    # signal wrong (scaled: under 1%, as in-tree Llama, GPT-2, BERT; tests/test_half_precision.py). A saved config
+    # signal wrong (scaled: under 1%, as in-tree Llama, GPT-2, BERT). A saved config
     # carries the number; one saved before the knob existed has 1.0.
     embedding_scale: float | None = None
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import html
 import importlib.util
 import json
 import re
@@ -43,7 +44,9 @@ SECTIONS = {
         "ms per new token and the first token's ms (from the call to the first new token after a prompt of 128 or "
         "512 tokens, batch 1) are medians of the rounds; the bandwidth fraction is the weight bytes a step reads over "
         "its time, against the machine's streaming bandwidth (an export's bytes are its weight file, an upper bound). "
-        "Under each table, each hf_tfm setting over llama.cpp's of the same bits: above 1, hf_tfm is faster.",
+        "Under each table, each hf_tfm setting over llama.cpp's of the same bits: above 1, hf_tfm is faster. "
+        "hf_tfm's rows are warm: their compiled steps were built before the rounds, as they are once per machine "
+        "([Compiled once per machine](fast-inference.md#compiled-once-per-machine)).",
     ),
     "pairs": (
         "Against the in-tree models",
@@ -111,7 +114,17 @@ def command_line(run: dict) -> str:
         else:
             kept.append(word)
     prefix = "OMP_NUM_THREADS=2 .venv/bin/python" if words[0].endswith("bench.py") else ".venv/bin/python"
-    return f"`{prefix} {' '.join(kept)} --json {run['name']}`"
+    return _html_code([*prefix.split(), *kept, "--json", run["name"]])
+
+
+def _html_code(words: list[str]) -> str:
+    """Inline code that wraps only between words and after the commas of a list: HTML rather than a code span, each
+    word a `nowrap` span (`--padded` stays whole), a <wbr> after each comma (a long list of settings wraps)."""
+    spans = [
+        html.escape(word).replace(",", ",<wbr>") if "," in word else f'<span class="nowrap">{html.escape(word)}</span>'
+        for word in words
+    ]
+    return "<code>" + " ".join(spans) + "</code>"
 
 
 def load(paths: list[Path]) -> list[dict]:

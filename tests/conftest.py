@@ -85,6 +85,11 @@ CI_ONLY = {
         "a compile of its own each (tens of seconds), several processes",
     ),
     "test_speculative.py": (r"test_assisted.*\[q|test_cli", "a compile per quantize setting"),
+    "test_doc_pages.py": (
+        r"test_page_blocks_run\[speculative\]",
+        "three compiles (the target's step and verify step, the draft's step); test_speculative.py's fp32 case "
+        "runs here",
+    ),
     "test_export_executorch.py": (
         r"test_export_generates_as_generate\[(?!llama-gqa)|test_encoder_export_matches_on_a_padded_batch\[(?!rope-gqa)"
         r"|test_encoder_runner|test_cli_export|test_folder_export",

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import DOCS, ROOT, doc_blocks, run_doc_blocks
+from conftest import DOCS, ROOT, doc_blocks, doc_page, run_doc_blocks
 
 # page -> the test that runs its blocks (with run_doc_blocks) and checks their results
 RUN_ELSEWHERE = {
@@ -17,7 +17,19 @@ RUN_ELSEWHERE = {
     "fast-inference": "tests/test_quantization.py::test_docs_fast_inference_blocks",
     "seq2seq": "tests/test_seq2seq_training.py::test_docs_seq2seq_blocks",
     "training": "tests/test_training.py::test_docs_training_blocks",
+    "share-on-hub": "tests/test_doc_jobs.py::test_share_on_hub_page",
+    "llama-cpp": "tests/test_doc_jobs.py::test_llama_cpp_page",
+    "own-architecture": "tests/test_doc_jobs.py::test_own_architecture_page",
+    "reference/api": "tests/test_docs_reference.py::test_api_reference_blocks",
 }
+# How a page is made and tested, this project's machine, today's releases: maintainer notes, which belong in
+# docs/development.md. A user page says what the user gets.
+MAINTAINER_NOTES = re.compile(
+    r"\bthe main job\b|\bthis project's\b|\bnot tested here\b|\btoday\b|\btests/test_\w+\.py|\btest suite fails"
+    r"|\bout of date\b|\bregenerat|scripts/gen_\w+\.py|\brun by the tests\b|\bthe tests run\b|\bsteps/s\b",
+    re.IGNORECASE,
+)
+NOT_USER_PAGES = {"development"}
 
 
 def page_names() -> list[str]:
@@ -36,7 +48,25 @@ def test_page_blocks_run(page, tmp_path, monkeypatch):
 def test_pages_run_elsewhere_are_run(page):
     path, name = RUN_ELSEWHERE[page].split("::")
     source = (ROOT / path).read_text()
-    assert f"def {name}(" in source and f'run_doc_blocks("{page}"' in source
+    body = source[source.index(f"def {name}(") :].split("\ndef ", 1)[0]
+    assert re.search(rf'(run_doc_blocks|doc_blocks)\("{page}"', body), f"{name} does not run {page}'s blocks"
+
+
+@pytest.mark.parametrize("page", [p for p in page_names() if p not in NOT_USER_PAGES])
+def test_user_pages_carry_no_maintainer_notes(page):
+    """What the tests check, how a page is regenerated, the project's own machine: docs/development.md's, not here
+    (HTML comments, which readers do not see, may name them)."""
+    text = re.sub(r"<!--.*?-->", "", doc_page(page).read_text(), flags=re.DOTALL)
+    found = sorted({match.group(0) for match in MAINTAINER_NOTES.finditer(text)})
+    assert not found, f"{page}: maintainer notes {found}"
+
+
+def test_maintainer_note_check_finds_them():
+    for note in ("the main job", "Measured on this project's machine", "not tested here", "(5.25.0 today)",
+                 "run by the tests (`tests/test_training.py`)", "the test suite fails while the page is out of date",
+                 "python scripts/gen_perf_page.py rewrites it", "0.99 steps/s"):  # fmt: skip
+        assert MAINTAINER_NOTES.search(note), note
+    assert not MAINTAINER_NOTES.search("make test      # the test suite; hf-tfm push uploads a folder")
 
 
 def test_navigation_lists_every_page():

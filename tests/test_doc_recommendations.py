@@ -1,8 +1,9 @@
 """The documentation gives one answer per question, on every page, and one statement of the supported releases.
 
 - A question with one answer (which setting for CPU decoding, which export for a runtime, which attention
-  implementation) is answered by the line under a `<!-- recommendation: NAME -->` marker; every page that carries the
-  marker carries the same line, and every page that names a decoding setting carries the CPU-decoding line.
+  implementation, which GGUF type) is answered by the line under a `<!-- recommendation: NAME -->` marker; every page
+  that carries the marker carries the same line, and every page that names a decoding setting carries the CPU-decoding
+  line.
 - docs/releases.md's table states which transformers releases each feature runs on and which CI tests: its releases
   are the Makefile's `MATRIX` and `COMMON_ENDS` and pyproject's transformers range, and no other page restates the
   range.
@@ -40,13 +41,16 @@ def recommendations() -> dict[str, dict[str, str]]:
 
 def test_each_question_has_one_answer_everywhere():
     found = recommendations()
-    assert set(found) == {"cpu-decoding", "export", "attention"}, set(found)
+    assert set(found) == {"cpu-decoding", "export", "attention", "gguf-type"}, set(found)
     for question, lines in found.items():
         assert len(set(lines.values())) == 1, f"{question}: the pages answer differently: {lines}"
     (cpu,) = set(found["cpu-decoding"].values())
     assert 'load_for_inference(folder, quantize="q4")' in cpu and "--quantize q4" in cpu and "generate(" in cpu
     (export,) = set(found["export"].values())
     assert all(f"`{name}`" in export for name in ("onnx", "ctranslate2", "executorch")) and "--format gguf" in export
+    assert "AVX-512 VNNI" in cpu and "C++ compiler" in cpu and "fall back" in cpu  # q4's precondition, and without it
+    (gguf,) = set(found["gguf-type"].values())
+    assert gguf.startswith("**Which GGUF type:** `q4_k_m`") and "`q8_0`" in gguf
 
 
 @pytest.mark.parametrize("page", pages())
@@ -66,6 +70,7 @@ def test_removed_apis_are_named_only_by_the_changelog(page):
 def test_the_task_pages_open_with_their_recommendation():
     """The answer is on the page's first screen: before the first section heading."""
     openers = {"fast-inference": "cpu-decoding", "deployment": "export", "performance": "cpu-decoding"}
+    openers["llama-cpp"] = "gguf-type"
     for page, question in openers.items():
         head = doc_page(page).read_text().split("\n## ")[0]
         assert f"<!-- recommendation: {question} -->" in head, page
@@ -154,7 +159,8 @@ def test_perf_generator_groups_runs_by_kind_and_machine(tmp_path):
     block = gen.render_block(gen.load([path]))
     assert "## Decoding speed" in block and "### Test CPU" in block and "(R)" not in block
     assert "| date | 2026-01-02 |" in block and "L2 1 MiB" in block and "TODO(bench)" not in block
-    assert "/tmp/x.json" not in block and "--charts" not in block and f"--json {path}" in block
+    command = re.sub(r"<[^>]+>", "", block)  # the command is HTML: each word a span, a <wbr> after each comma
+    assert "/tmp/x.json" not in block and "--charts" not in block and f"--json {path}" in command
     assert "| a | x \\| y | 400 | 10.0 | 20.0 | 0.50 |" in block and "fails: ImportError: no" in block
 
 

@@ -257,10 +257,10 @@ def test_serve_passes_the_flag_to_the_engine_only_when_given(served, tmp_path, c
     assert main(["serve", lm, "--engine", "transformers", "--trust-remote-code"]) == 0
     assert "--trust-remote-code" not in served[0] and "--trust-remote-code" in served[1]
     # vLLM never imports hf_tfm: an hf_tfm folder loads there from its own code, which needs the flag
-    assert main(["serve", lm]) == 1
+    assert main(["serve", lm, "--engine", "vllm"]) == 1
     assert "pass --trust-remote-code to run that code" in capsys.readouterr().err and len(served) == 2
     with pytest.raises(SystemExit):
-        main(["serve", lm, "--trust-remote-code"])
+        main(["serve", lm, "--engine", "vllm", "--trust-remote-code"])
     assert served[2][served[2].index("--model") + 1] == lm and "--trust-remote-code" in served[2]
 
 

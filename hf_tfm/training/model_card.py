@@ -58,20 +58,25 @@ def write_model_card(
     pipeline_tag: str,
     auto_class: str,
     extra: str = "",
+    base_model: str | None = None,
+    license: str | None = None,
 ) -> Path:
     """Write `README.md`: YAML metadata, architecture, data, training settings, metrics and how to load it.
 
     The usage snippet passes `trust_remote_code=True`: it is for readers without hf_tfm, where the folder loads from
     the code it carries (our own folder, as hf_tfm wrote it); with hf_tfm installed its registered classes are used.
+    `base_model` (the Hub id the model was fine-tuned from) and `license` (a Hub license identifier) go into the
+    metadata when given.
     """
     metric_rows = "\n".join(f"| {k} | {_fmt(v)} |" for k, v in metrics.items())
     arch_rows = "\n".join(f"| `{k}` | {v} |" for k, v in architecture_summary(config))
     setting_rows = "\n".join(f"| {k} | {v} |" for k, v in settings.items())
     data_lines = "\n".join(f"- {line}" for line in data)
+    metadata = "".join(f"{k}: {v}\n" for k, v in (("base_model", base_model), ("license", license)) if v)
     text = f"""---
 library_name: transformers
 pipeline_tag: {pipeline_tag}
-tags:
+{metadata}tags:
 - hf_tfm
 - custom_code
 ---

@@ -1,0 +1,163 @@
+"""Figures the documentation states in prose agree with the results files its tables are generated from.
+
+docs/performance.md's tables are written by scripts/gen_perf_page.py from scripts/results/*.json; the sentences around
+them, and the speeds other pages quote, are checked here against the same files: each figure is recomputed from the
+JSON and must appear as written, and each comparison a page makes in words ("faster", "level with", "the least loss")
+must hold in every run. `make demo`'s figures come from its own results: scripts/results/demo_full.json and
+demo_quick.json are the demo's metrics.json of a full and a quick run.
+"""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+from conftest import doc_page
+
+RESULTS = Path(__file__).resolve().parents[1] / "scripts" / "results"
+Q4, Q8, FP32 = "hf_tfm q4 compiled", "hf_tfm q8 compiled", "hf_tfm fp32"
+PROMPTS = ("ttft_p128_s", "ttft_p512_s")
+
+
+def runtimes(name: str) -> dict[str, dict]:
+    """setting -> its row, from scripts/results/runtimes_NAME.json."""
+    return {row["setting"]: row for row in json.loads((RESULTS / f"runtimes_{name}.json").read_text())["runtimes"]}
+
+
+def over(rows: dict, theirs: str, ours: str, key: str) -> float:
+    """How many times faster `ours` is than `theirs` (their time over ours), as the tables print it."""
+    return rows[theirs][key] / rows[ours][key]
+
+
+def prose(page: str) -> str:
+    """The page's text with line breaks as spaces (a figure may be wrapped with its words)."""
+    return re.sub(r"\s+", " ", doc_page(page).read_text())
+
+
+def assert_states(page: str, *phrases: str) -> None:
+    text = prose(page)
+    for phrase in phrases:
+        assert phrase in text, f"{page} should say {phrase!r}: the results say so"
+
+
+def span(values: list[float]) -> str:
+    return f"{min(values):.2f}x to {max(values):.2f}x"
+
+
+@pytest.fixture(scope="module")
+def tinyllama() -> dict[str, dict]:
+    return runtimes("tinyllama")
+
+
+@pytest.fixture(scope="module")
+def base() -> dict[str, dict]:
+    return runtimes("base")
+
+
+def test_performance_summary(tinyllama, base):
+    q4_prompts = [over(run, "llama.cpp q4_0", Q4, key) for run in (base, tinyllama) for key in PROMPTS]
+    q8_ahead = [over(run, "llama.cpp q8_0", Q8, key) for run in (base, tinyllama) for key in ("b8_step_s", *PROMPTS)]
+    assert_states(
+        "performance",
+        f"TinyLlama-1.1B's shape at {tinyllama[Q4]['b1_step_s'] * 1e3:.1f} ms a token at batch 1",
+        f"({over(tinyllama, FP32, Q4, 'b1_step_s'):.1f}x the eager float32 model",
+        f"{over(tinyllama, 'llama.cpp q4_k_m', Q4, 'b1_step_s'):.2f}x llama.cpp's Q4_K_M",
+        f"{over(tinyllama, 'llama.cpp q4_0', Q4, 'b1_step_s'):.2f}x its Q4_0)",
+        f"decoder at {base[Q4]['b1_step_s'] * 1e3:.1f} ms ({over(base, 'llama.cpp q4_0', Q4, 'b1_step_s'):.2f}x Q4_0)",
+        f"`q4` at {span(q4_prompts)} the speed of its Q4_0",
+        f"on prompts ({span(q8_ahead)})",
+        f"on TinyLlama's shape ({over(tinyllama, 'llama.cpp q8_0', Q8, 'b1_step_s'):.2f}x)",
+        f"decoder ({over(base, 'llama.cpp q8_0', Q8, 'b1_step_s'):.2f}x)",
+    )
+    assert min(q4_prompts) < max(q4_prompts) < 1 and min(q8_ahead) > 1  # the words: llama.cpp faster; q8 ahead
+
+
+def test_fast_inference_summary(tinyllama):
+    q4_prompts = [
+        over(tinyllama, theirs, Q4, key) for theirs in ("llama.cpp q4_0", "llama.cpp q4_k_m") for key in PROMPTS
+    ]
+    assert_states(
+        "fast-inference",
+        f"decodes at {tinyllama[Q4]['b1_step_s'] * 1e3:.1f} ms a token with `q4`",
+        f"{tinyllama[Q8]['b1_step_s'] * 1e3:.1f} ms with `q8`",
+        f"eager float32: {tinyllama[FP32]['b1_step_s'] * 1e3:.1f} ms",
+        f"`q4` at {over(tinyllama, 'llama.cpp q4_0', Q4, 'b1_step_s'):.2f}x the speed of llama.cpp's Q4_0",
+        f"{over(tinyllama, 'llama.cpp q4_k_m', Q4, 'b1_step_s'):.2f}x its Q4_K_M",
+        f"`q8` at {over(tinyllama, 'llama.cpp q8_0', Q8, 'b1_step_s'):.2f}x its Q8_0",
+        f"reads them at {span(q4_prompts)} the speed of its 4-bit types",
+        f"batches of 8 at {over(tinyllama, 'llama.cpp q4_0', Q4, 'b8_step_s'):.2f}x Q4_0's",
+    )
+    assert max(q4_prompts) < 1  # "prompts are where llama.cpp leads"
+
+
+def test_llama_cpp_page_comparisons_hold(tinyllama, base):
+    """docs/llama-cpp.md compares in words: each comparison holds in every run on Performance."""
+    text = prose("llama-cpp")
+    assert "llama.cpp reads prompts faster than hf_tfm's `q4` in every run there" in text
+    assert "level with llama.cpp's Q4_0 and faster than its Q4_K_M" in text
+    for run in (base, tinyllama):
+        for theirs in ("llama.cpp q4_0", "llama.cpp q4_k_m"):
+            assert all(over(run, theirs, Q4, key) < 1 for key in PROMPTS), theirs
+        assert 0.9 <= over(run, "llama.cpp q4_0", Q4, "b1_step_s") <= 1.1  # level
+        assert over(run, "llama.cpp q4_k_m", Q4, "b1_step_s") > 1
+        llama_cpp = {setting: row["b1_step_s"] for setting, row in run.items() if setting.startswith("llama.cpp")}
+        assert min(llama_cpp, key=llama_cpp.get) == "llama.cpp q4_0"  # the fastest decoding
+    rows = json.loads((RESULTS / "quality_runtimes_small.json").read_text())["results"]
+    gguf = {row["setting"]: row["perplexity"] for row in rows if row["setting"].startswith("gguf")}
+    assert gguf["gguf_q4_k_m"] < gguf["gguf_q4_0"]  # q4_k_m: the least perplexity lost of the 4-bit types
+    assert max(gguf, key=gguf.get) == "gguf_q4_0"  # the largest loss
+    assert "the least perplexity lost of the 4-bit types" in text
+    assert "the fastest decoding, at the largest loss" in text
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# make demo
+
+
+def demo(profile: str) -> dict:
+    return json.loads((RESULTS / f"demo_{profile}.json").read_text())
+
+
+def minutes(run: dict) -> str:
+    """The run's wall time as the docs state it: to the nearest half minute."""
+    half_minutes = round(run["wall_seconds"] / 30)
+    return f"about {half_minutes / 2:g} minute{'s' if half_minutes != 2 else ''}"
+
+
+def test_demo_figures():
+    full, quick = demo("full"), demo("quick")
+    assert full["profile"] == "full" and quick["profile"] == "quick"
+    lm, clf, s2s = full["lm"], full["classifier"], full["seq2seq"]
+    assert_states(
+        "cli",
+        f"held-out perplexity {lm['perplexity']:.1f} against {math.exp(lm['baseline_loss']):.1f} for a unigram model",
+        f"test accuracy {clf['test_accuracy']:.3f} against a majority-class baseline of "
+        f"{clf['baseline_accuracy']:.3f}",
+        f"exact match of {s2s['exact_match']:.3f} and word F1 of {s2s['word_f1']:.3f} against "
+        f"{s2s['baseline_exact_match']:.3f} and {s2s['baseline_word_f1']:.3f}",
+        f"`{s2s['baseline_target'].strip()}`",
+        f"{s2s['settings']['max_steps']} steps of {s2s['settings']['batch_size']} pairs",
+        f"{lm['settings']['max_steps']} steps of {lm['settings']['batch_size']} x {lm['settings']['seq_len']} tokens",
+    )
+    # one value for each duration, wherever the docs, the README and the command's help state it
+    for page in ("README", "index", "getting-started", "cli"):
+        text = prose(page)
+        stated = re.findall(r"about [\d.]+ minutes?", text)
+        assert stated and set(stated) <= {minutes(full), minutes(quick)}, (page, stated)
+    assert minutes(full) in prose("cli") and minutes(quick) in prose("cli")
+    from hf_tfm.cli import build_parser
+
+    demo_help = build_parser()._subparsers._group_actions[0].choices["demo"].format_help()
+    assert minutes(quick) in " ".join(demo_help.split())
+
+
+@pytest.mark.parametrize("profile", ["full", "quick"])
+def test_demo_results_beat_their_baselines(profile):
+    """Each model the demo trains does better than a model that ignores its input, on held-out data."""
+    run = demo(profile)
+    lm, clf, s2s = run["lm"], run["classifier"], run["seq2seq"]
+    assert lm["eval_loss"] < lm["baseline_loss"]
+    assert clf["test_accuracy"] > clf["baseline_accuracy"] and clf["test_loss"] < clf["baseline_loss"]
+    assert s2s["eval_loss"] < s2s["baseline_loss"]
+    assert s2s["exact_match"] > s2s["baseline_exact_match"] and s2s["word_f1"] > s2s["baseline_word_f1"]
