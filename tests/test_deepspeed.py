@@ -22,10 +22,8 @@ pytest.importorskip("deepspeed", reason="the `deepspeed` extra is not installed 
 import transformers
 from safetensors import safe_open
 
-import hf_tfm
-
 sys.path.insert(0, str(ROOT / "tests" / "dist"))
-from common import single_process_reference
+from common import save_pair, single_process_reference
 from train_deepspeed import TASKS, with_lora
 
 DIST = ROOT / "tests" / "dist"
@@ -132,12 +130,7 @@ def models(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("models")
     found = {}
     for name, (class_name, config, task, lora) in KINDS.items():
-        torch.manual_seed(0)
-        config_class = getattr(transformers, class_name).config_class
-        source = getattr(transformers, class_name)(config_class(**config))
-        ours = hf_tfm.from_hf(source)
-        ours.save_pretrained(root / name / "hf_tfm")
-        hf_tfm.to_hf(ours).save_pretrained(root / name / "copy")
+        save_pair(class_name, config, root / name)
         found[name] = {"task": task, "lora": lora, "root": root / name, "frozen_in_copy": FROZEN.get(name, [])}
     return found
 

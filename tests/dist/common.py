@@ -1,6 +1,7 @@
 """Shared pieces of the multi-process launch scripts: a tiny config, fixed variable-length data, a reference loop."""
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -77,3 +78,17 @@ def single_process_reference(
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def save_pair(class_name: str, config: dict, folder: Path) -> None:
+    """A seeded in-tree model (`transformers.<class_name>(config)`) saved as hf_tfm (`from_hf`) in folder/hf_tfm and
+    back as its in-tree copy (`to_hf`) in folder/copy: the same weights in both, the copy the oracle."""
+    import transformers
+
+    import hf_tfm
+
+    torch.manual_seed(0)
+    model_class = getattr(transformers, class_name)
+    ours = hf_tfm.from_hf(model_class(model_class.config_class(**config)))
+    ours.save_pretrained(folder / "hf_tfm")
+    hf_tfm.to_hf(ours).save_pretrained(folder / "copy")
