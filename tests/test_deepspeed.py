@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, free_port
+from conftest import ROOT, doc_blocks, free_port
 
 pytest.importorskip("deepspeed", reason="the `deepspeed` extra is not installed (`make env` installs it)")
 
@@ -333,3 +333,88 @@ def test_accelerate_launch_with_a_deepspeed_plugin(models, tmp_path):
     accelerate = [str(BIN / "accelerate"), "launch", "--config_file", str(config), "--main_process_port"]
     launch([*accelerate, str(free_port()), str(DIST / "train_deepspeed.py"), str(tmp_path / "plan.json")])
     assert_matches_copy(json.loads((tmp_path / "result.json").read_text()), chosen, "zero3")
+
+
+# The page's one-line `hf-tfm` commands (docs/scale-out.md), shrunk to seconds: 4 steps of the tiny presets.
+CLI_TRAINING = ["--max-steps", "4", "--seq-len", "32", "--vocab-size", "300", "--lr", "3e-3", "--warmup-steps", "1"]
+ON_PATH = {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}  # `--no-python hf-tfm`: this environment's
+
+
+def page_command(launcher: str, out: Path, files: dict[str, Path], deepspeed: bool = True) -> list[str]:
+    """The page's command that starts with `launcher` (torchrun, accelerate), writing `out`, its file names replaced
+    by `files`, on a free port, with the tiny training; `deepspeed=False` leaves its `--deepspeed CONFIG` out."""
+    lines = [line for block in doc_blocks("scale-out", "bash") for line in block.splitlines()]
+    argv = next(line for line in lines if line.startswith(f"{launcher} ")).split()
+    argv[argv.index("--output-dir") + 1] = str(out)
+    if not deepspeed:
+        at = argv.index("--deepspeed")
+        argv[at : at + 2] = []
+    argv = [str(files.get(arg, arg)) for arg in argv]
+    if launcher == "torchrun":
+        return [str(BIN / "torchrun"), "--master_port", str(free_port()), *argv[1:], *CLI_TRAINING]
+    assert argv[1] == "launch", argv
+    return [str(BIN / "accelerate"), "launch", "--main_process_port", str(free_port()), *argv[2:], *CLI_TRAINING]
+
+
+def cli_result(folder: Path, auto: type) -> tuple[dict, torch.Tensor]:
+    """A CLI output folder's metrics, and the logits of its model loaded without DeepSpeed on a fixed input."""
+    model = auto.from_pretrained(folder).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor(PROBE)).logits
+    return json.loads((folder / "metrics.json").read_text()), logits
+
+
+def assert_same_training(ours: dict, theirs: dict) -> None:
+    """Two CLI runs' step losses and held-out losses equal (rtol 1e-5), and training lowered the loss."""
+    assert len(ours["history"]["train"]) == 4 and ours["steps"] == theirs["steps"] == 4, ours["history"]
+    assert ours["history"]["train"][-1][1] < ours["history"]["train"][0][1], ours["history"]
+    for key in ("train", "eval"):
+        torch.testing.assert_close(
+            torch.tensor(ours["history"][key]), torch.tensor(theirs["history"][key]), rtol=1e-5, atol=0
+        )
+
+
+def test_pretrain_command_under_zero3_trains_as_ddp(tmp_path):
+    """The page's `torchrun ... hf-tfm pretrain ... --deepspeed examples/deepspeed/zero3.json` on 2 ranks against the
+    same command without `--deepspeed` (DDP: the same data on each rank; tests/test_distributed.py checks DDP
+    against one process): equal step and held-out losses (rtol 1e-5), and rank 0's folder loads without DeepSpeed
+    with equal logits (atol 1e-5)."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("\n".join(stdlib_lines()))
+    files = {"notes.txt": notes, "examples/deepspeed/zero3.json": CONFIGS / "zero3.json"}
+    for name, deepspeed in (("zero3", True), ("ddp", False)):
+        launch([*page_command("torchrun", tmp_path / name, files, deepspeed), "--batch-size", "2"], env=ON_PATH)
+    causal_lm = transformers.AutoModelForCausalLM
+    (ours, our_logits), (theirs, their_logits) = (cli_result(tmp_path / n, causal_lm) for n in ("zero3", "ddp"))
+    assert ours["launch"] == {"processes": 2, "engine": "DeepSpeedEngine", "zero_stage": 3}, ours["launch"]
+    assert theirs["launch"] == {"processes": 2, "engine": "DistributedDataParallel", "zero_stage": None}
+    assert_same_training(ours, theirs)
+    torch.testing.assert_close(our_logits, their_logits, rtol=0, atol=1e-5)
+
+
+def test_finetune_command_under_accelerate_deepspeed_trains_as_one_process(tmp_path):
+    """The page's `accelerate launch --config_file examples/accelerate/deepspeed.yaml --no_python hf-tfm finetune ...`
+    (ZeRO-3 through accelerate's DeepSpeed plugin) on 2 ranks of batch 4, against `hf-tfm finetune` in one process of
+    batch 8 on the same 8 training rows (each step sees all of them): equal step and held-out losses (rtol 1e-5) and
+    equal logits of the saved classifiers (atol 1e-5)."""
+    lines = stdlib_lines()
+    for name, part in (("reviews.csv", lines[:8]), ("held_out.csv", lines[8:12])):
+        cells = [f'"{text.replace(chr(34), "")}",{"ab"[i % 2]}' for i, text in enumerate(part)]
+        (tmp_path / name).write_text("\n".join(["text,label", *cells]) + "\n")
+    files = {"reviews.csv": tmp_path / "reviews.csv"}
+    options = ["--eval-file", str(tmp_path / "held_out.csv")]
+    launch([*page_command("accelerate", tmp_path / "zero3", files), *options, "--batch-size", "4"], env=ON_PATH)
+    command = page_command("accelerate", tmp_path / "one", files)
+    single = [str(BIN / "hf-tfm"), *command[command.index("hf-tfm") + 1 :]]
+    launch([*single, *options, "--batch-size", "8"])
+    classifier = transformers.AutoModelForSequenceClassification
+    (ours, our_logits), (theirs, their_logits) = (cli_result(tmp_path / n, classifier) for n in ("zero3", "one"))
+    assert ours["launch"] == {"processes": 2, "engine": "DeepSpeedEngine", "zero_stage": 3}, ours["launch"]
+    assert theirs["launch"] == {"processes": 1, "engine": "TfmForSequenceClassification", "zero_stage": None}
+    assert_same_training(ours, theirs)
+    torch.testing.assert_close(our_logits, their_logits, rtol=0, atol=1e-5)
+
+
+def stdlib_lines() -> list[str]:
+    """Text on every machine: the standard library's json/decoder.py, the lines of over 20 characters."""
+    return [line.strip() for line in Path(json.decoder.__file__).read_text().splitlines() if len(line.strip()) > 20]
