@@ -4,7 +4,7 @@ and newer, and reading parameters that DeepSpeed ZeRO-3 has partitioned.
 `TfmPreTrainedModel.maybe_distribute_model` calls `prepare_fsdp` before transformers shards a model, and
 `gather_sharded_state_dict_for_save` calls `share_tied_tensors` on what a save gathers back. Under ZeRO-3 each
 parameter is an empty placeholder outside `forward`: a module's repr reads its shape with `full_shape` (its values:
-`hf_tfm.zero`). This file imports only torch and transformers: saved folders carry it as remote code, beside
+`hf_tfm.scale_out`). This file imports only torch and transformers: saved folders carry it as remote code, beside
 `modeling.py`, which imports it.
 """
 
@@ -40,7 +40,9 @@ def prepare_fsdp(model: PreTrainedModel, distributed_config) -> None:
     if not _fsdp_requested(distributed_config):
         return
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
-    if tied:
+    # With tensor parallelism too, the tie must wait: TP shards each module's own parameter (a tied head's would be
+    # missing, a KeyError), and transformers ties the sharded pair before FSDP2 wraps it.
+    if tied and (getattr(distributed_config, "tp_size", None) or 1) == 1:
         for target, source in tied.items():
             module_name, _, param_name = target.rpartition(".")
             setattr(model.get_submodule(module_name), param_name, model.get_parameter(source))
