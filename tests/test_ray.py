@@ -1,22 +1,27 @@
-"""Ray Train on a local cluster of 2 CPU workers, with the in-tree copy and one process as the oracles."""
+"""Ray Train on a local cluster of 2 CPU workers (the docs' examples/ray_train.py), with the in-tree copy and one
+process as the oracles."""
 
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, doc_blocks
 
 pytest.importorskip("ray.train", reason="the `ray` extra is not installed (`make env` installs it)")
 
 import transformers
+from transformers import Trainer
 
 sys.path.insert(0, str(ROOT / "tests" / "dist"))
-from common import save_pair, single_process_reference
-from ray_train import PROBE
+sys.path.insert(0, str(ROOT / "examples"))
+from common import save_pair
+from ray_train import training_arguments
+from train import examples
+
+from hf_tfm.training import PadCollator
 
 pytestmark = [pytest.mark.slow, pytest.mark.solo]
 
@@ -30,44 +35,49 @@ LLAMA = {
     "max_position_embeddings": 64,
     "pad_token_id": 0,
 }
+STEPS = 3
+PROBE = [[5, 17, 42, 8, 91, 33, 3, 60]]
 
 
-def reported_folder(checkpoint: str) -> Path:
-    """The HF checkpoint folder inside the directory Ray reported (`RayTrainReportCallback` puts it in a subfolder)."""
-    found = [path.parent for path in Path(checkpoint).rglob("config.json")]
-    assert len(found) == 1, found
-    return found[0]
+def ray_command() -> list[str]:
+    """The docs' command (docs/scale-out.md), run as written."""
+    lines = [line for block in doc_blocks("scale-out", "bash") for line in block.splitlines()]
+    line = next(line for line in lines if "ray_train" in line)
+    argv = line.split("#")[0].split()
+    assert argv[:2] == ["python", "examples/ray_train.py"] and "--output_dir" in argv, argv
+    return [sys.executable, *argv[1 : argv.index("--output_dir")]]
 
 
-def test_ray_train_matches_the_in_tree_copy_and_its_checkpoint_reloads(tmp_path):
-    """`TorchTrainer` + `prepare_trainer` + `RayTrainReportCallback` on 2 workers: real data parallelism (world size
-    2, ParallelMode.DISTRIBUTED); hf_tfm's step losses equal its in-tree copy's (Llama) and one process's on the
-    same global batch (rtol 1e-5); the checkpoint Ray reports loads with `from_pretrained` as a TfmForCausalLM whose
-    logits equal the trained model's (atol 1e-6) and the copy's reported checkpoint's (atol 1e-5)."""
+def test_ray_train_matches_the_in_tree_copy_and_one_process(tmp_path):
+    """examples/ray_train.py (`TorchTrainer` + `prepare_trainer` + `RayTrainReportCallback`, 2 workers of batch 4) on
+    hf_tfm and on its in-tree copy (Llama): real data parallelism (world size 2, ParallelMode.DISTRIBUTED), step
+    losses equal the copy's and one process's `Trainer` on batch 8 (rtol 1e-5), and the checkpoint Ray reports
+    loads with `from_pretrained` as a TfmForCausalLM whose logits equal that process's model's (atol 1e-5)."""
     save_pair("LlamaForCausalLM", LLAMA, tmp_path / "models")
-    runs = [f"{side}={tmp_path / 'models' / side}" for side in ("hf_tfm", "copy")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, str(ROOT / "tests" / "dist" / "ray_train.py"), str(tmp_path / "out"), *runs]
-    (tmp_path / "out").mkdir()
-    done = subprocess.run(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True)
-    assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
-    result = json.loads((tmp_path / "out" / "result.json").read_text())
-
-    ours, theirs = result["hf_tfm"], result["copy"]
+    runs = {}
+    for side in ("hf_tfm", "copy"):
+        out = tmp_path / side
+        options = ["--model", str(tmp_path / "models" / side), "--max_steps", str(STEPS), "--output_dir", str(out)]
+        done = subprocess.run(
+            [*ray_command(), *options], cwd=ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True
+        )
+        assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+        runs[side] = json.loads((out / "run.json").read_text())
+    ours, theirs = runs["hf_tfm"], runs["copy"]
     assert ours["world_size"] == 2 and ours["parallel_mode"] == "ParallelMode.DISTRIBUTED"
-    reference = single_process_reference(
-        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "hf_tfm"), len(ours["losses"])
-    )
+
+    single = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "hf_tfm")
+    args = training_arguments(str(tmp_path / "single"), STEPS, 8, use_cpu=True)
+    trainer = Trainer(model=single, args=args, train_dataset=examples(), data_collator=PadCollator())
+    trainer.train()
+    reference = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     for other in (theirs["losses"], reference):
         torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(other), rtol=1e-5, atol=0)
-    assert ours["losses"][-1] < ours["losses"][0]
 
-    logits = {}
-    for name in ("hf_tfm", "copy"):
-        model = transformers.AutoModelForCausalLM.from_pretrained(reported_folder(result[name]["checkpoint"]))
-        with torch.no_grad():
-            logits[name] = model.eval()(torch.tensor(PROBE)).logits
-        if name == "hf_tfm":
-            assert type(model).__name__ == "TfmForCausalLM"
-    torch.testing.assert_close(logits["hf_tfm"], torch.tensor(ours["logits"]), rtol=0, atol=1e-6)
-    torch.testing.assert_close(logits["hf_tfm"], logits["copy"], rtol=0, atol=1e-5)
+    with torch.no_grad():
+        expected = single.eval()(torch.tensor(PROBE)).logits
+        for side, run in runs.items():
+            model = transformers.AutoModelForCausalLM.from_pretrained(run["checkpoint"]).eval()
+            assert side != "hf_tfm" or type(model).__name__ == "TfmForCausalLM"
+            torch.testing.assert_close(model(torch.tensor(PROBE)).logits, expected, rtol=0, atol=1e-5)
