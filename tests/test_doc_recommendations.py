@@ -40,13 +40,15 @@ def recommendations() -> dict[str, dict[str, str]]:
 
 def test_each_question_has_one_answer_everywhere():
     found = recommendations()
-    assert set(found) == {"cpu-decoding", "export", "attention"}, set(found)
+    assert set(found) == {"cpu-decoding", "export", "attention", "scale-out"}, set(found)
     for question, lines in found.items():
         assert len(set(lines.values())) == 1, f"{question}: the pages answer differently: {lines}"
     (cpu,) = set(found["cpu-decoding"].values())
     assert 'load_for_inference(folder, quantize="q4")' in cpu and "--quantize q4" in cpu and "generate(" in cpu
     (export,) = set(found["export"].values())
     assert all(f"`{name}`" in export for name in ("onnx", "ctranslate2", "executorch")) and "--format gguf" in export
+    (engine,) = set(found["scale-out"].values())
+    assert all(name in engine for name in ("FSDP2", "ZeRO-3 with CPU offload", "Ray Train")), engine
 
 
 @pytest.mark.parametrize("page", pages())
@@ -65,7 +67,12 @@ def test_removed_apis_are_named_only_by_the_changelog(page):
 
 def test_the_task_pages_open_with_their_recommendation():
     """The answer is on the page's first screen: before the first section heading."""
-    openers = {"fast-inference": "cpu-decoding", "deployment": "export", "performance": "cpu-decoding"}
+    openers = {
+        "fast-inference": "cpu-decoding",
+        "deployment": "export",
+        "performance": "cpu-decoding",
+        "scale-out": "scale-out",
+    }
     for page, question in openers.items():
         head = doc_page(page).read_text().split("\n## ")[0]
         assert f"<!-- recommendation: {question} -->" in head, page

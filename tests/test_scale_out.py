@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 import yaml
-from conftest import ROOT, build, tiny_config
+from conftest import ROOT, build, doc_page, tiny_config
 
 from hf_tfm import TfmForCausalLM
 from hf_tfm.cli import main
+from hf_tfm.commands.info import format_bytes
 from hf_tfm.info import describe, zero_memory
 from hf_tfm.presets import load_config
 from hf_tfm.scale_out import cpu_only_launch, is_main_process, partitioned
@@ -97,6 +98,19 @@ def test_info_prints_the_zero_table(capsys):
     assert main(["info", "llama-style", "--json", "--zero-ranks", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["zero_memory"]["ranks"] == 2
     assert main(["info", "llama-style", "--zero-ranks", "0"]) == 1
+
+
+def test_the_page_memory_table_is_what_info_computes():
+    """docs/scale-out.md's ZeRO table (llama-style on 8 ranks, under its marker) is `zero_memory`'s rows, cell for
+    cell, as `hf-tfm info --zero-ranks 8` prints them."""
+    text = doc_page("scale-out").read_text().split("<!-- zero-memory:", 1)[1].split("\n\n", 1)[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in text.splitlines()[3:]]
+    keys = ("params", "grads", "optimizer", "device", "cpu")
+    expected = [
+        [str(row["stage"]), row["offload"], *(format_bytes(row[key]) for key in keys)]
+        for row in zero_memory(llama_parameters("llama-style"), 8)
+    ]
+    assert rows == expected
 
 
 def test_zero_memory_refuses_no_ranks():
