@@ -21,7 +21,8 @@ $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q "$(TORCH)"
-	$(VENV)/bin/python -m pip install -q -e ".[dev$(if $(TRANSFORMERS),,$(COMMA)executorch)]" $(PIN)
+	$(VENV)/bin/python -m pip install -q --no-build-isolation "deepspeed==0.19.8" "$(TORCH)"
+	$(VENV)/bin/python -m pip install -q -e ".[dev,deepspeed,ray$(if $(TRANSFORMERS),,$(COMMA)executorch)]" $(PIN)
 	$(VENV)/bin/python -c "import transformers as t; v = '$(TRANSFORMERS)'; \
 		assert not v or t.__version__ == v, f'transformers {t.__version__} installed, {v} asked'"
 	touch $(STAMP)

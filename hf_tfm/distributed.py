@@ -1,10 +1,14 @@
-"""Workarounds for transformers' native FSDP2 sharding (`from_pretrained(distributed_config=...)`), 5.16 and newer.
+"""Sharded parameters: workarounds for transformers' native FSDP2 (`from_pretrained(distributed_config=...)`), 5.16
+and newer, and reading parameters that DeepSpeed ZeRO-3 has partitioned.
 
 `TfmPreTrainedModel.maybe_distribute_model` calls `prepare_fsdp` before transformers shards a model, and
-`gather_sharded_state_dict_for_save` calls `share_tied_tensors` on what a save gathers back. This file imports only
-transformers: saved folders carry it as remote code, beside `modeling.py`, which imports it.
+`gather_sharded_state_dict_for_save` calls `share_tied_tensors` on what a save gathers back. Under ZeRO-3 each
+parameter is an empty placeholder outside `forward`: a module's repr reads its shape with `full_shape` (its values:
+`hf_tfm.scale_out`). This file imports only torch and transformers: saved folders carry it as remote code, beside
+`modeling.py`, which imports it.
 """
 
+import torch
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
@@ -36,7 +40,9 @@ def prepare_fsdp(model: PreTrainedModel, distributed_config) -> None:
     if not _fsdp_requested(distributed_config):
         return
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
-    if tied:
+    # With tensor parallelism too, the tie must wait: TP shards each module's own parameter (a tied head's would be
+    # missing, a KeyError), and transformers ties the sharded pair before FSDP2 wraps it.
+    if tied and (getattr(distributed_config, "tp_size", None) or 1) == 1:
         for target, source in tied.items():
             module_name, _, param_name = target.rpartition(".")
             setattr(model.get_submodule(module_name), param_name, model.get_parameter(source))
@@ -59,3 +65,9 @@ def share_tied_tensors(model: PreTrainedModel, state_dict: dict) -> dict:
         if target in state_dict and source in state_dict:
             state_dict[target] = state_dict[source]
     return state_dict
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's shape, also when DeepSpeed ZeRO-3 has partitioned it: the tensor is then an empty placeholder and
+    `ds_shape` the real shape. DeepSpeed and `Trainer` print the model (its modules' `extra_repr`) before training."""
+    return getattr(param, "ds_shape", param.shape)

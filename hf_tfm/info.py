@@ -6,6 +6,7 @@ count builds the model on the meta device).
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -180,8 +181,44 @@ def _experts(config: TfmConfig) -> dict[str, Any] | None:
     }
 
 
-def describe(target: str) -> dict[str, Any]:
-    """A JSON-able report on a preset, config JSON or model folder: config, parameters, integration support."""
+# Bytes per parameter of the model states under mixed-precision AdamW, as ZeRO counts them (arXiv:1910.02054, section
+# 3.1): 16-bit weights and gradients; fp32 master weights, momentum and variance.
+ZERO_BYTES = {"params": 2, "grads": 2, "optimizer": 12}
+# What each DeepSpeed setup partitions over the data-parallel ranks, and what its offload moves to the CPU
+# (ZeRO-Offload keeps the gradient partition beside the optimizer states it updates there).
+ZERO_SETUPS = [
+    (0, "none", (), ()),
+    (1, "none", ("optimizer",), ()),
+    (2, "none", ("grads", "optimizer"), ()),
+    (2, "optimizer", ("grads", "optimizer"), ("grads", "optimizer")),
+    (3, "none", ("params", "grads", "optimizer"), ()),
+    (3, "optimizer", ("params", "grads", "optimizer"), ("grads", "optimizer")),
+    (3, "optimizer+params", ("params", "grads", "optimizer"), ("params", "grads", "optimizer")),
+]
+
+
+def zero_memory(parameters: int, ranks: int) -> list[dict[str, Any]]:
+    """Model-state memory per rank (bytes) of a model of `parameters` parameters trained on `ranks` data-parallel
+    ranks, for each DeepSpeed ZeRO stage (0 is plain data parallelism) with and without CPU offload: its weights,
+    gradients and optimizer states, and what they take on the device and in CPU memory. Activations and, at stage 3,
+    the layer being gathered come on top."""
+    if ranks < 1:
+        raise ValueError(f"`ranks` must be at least 1, got {ranks}")
+    rows = []
+    for stage, offload, partitioned, offloaded in ZERO_SETUPS:
+        sizes = {
+            state: math.ceil(parameters * width / (ranks if state in partitioned else 1))
+            for state, width in ZERO_BYTES.items()
+        }
+        cpu = sum(size for state, size in sizes.items() if state in offloaded)
+        row = {"stage": stage, "offload": offload, **sizes, "device": sum(sizes.values()) - cpu, "cpu": cpu}
+        rows.append(row)
+    return rows
+
+
+def describe(target: str, zero_ranks: int | None = None) -> dict[str, Any]:
+    """A JSON-able report on a preset, config JSON or model folder: config, parameters, integration support; with
+    `zero_ranks`, the memory per rank of each DeepSpeed ZeRO stage on that many ranks (`zero_memory`)."""
     config, source, architecture = _load(target)
     with torch.device("meta"):
         model = getattr(modeling, architecture)(config)
@@ -249,7 +286,7 @@ def describe(target: str) -> dict[str, Any]:
         else _experts(config),
         "config": shown,
         "integrations": integrations,
-    }
+    } | ({"zero_memory": {"ranks": zero_ranks, "rows": zero_memory(parameters, zero_ranks)}} if zero_ranks else {})
 
 
-__all__ = ["describe"]
+__all__ = ["describe", "zero_memory"]

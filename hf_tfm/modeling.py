@@ -63,7 +63,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .checkpoint import repair_remote_code, staged_save, weights_damage
 from .configuration import TfmConfig, TfmSeq2SeqConfig
-from .distributed import prepare_fsdp, share_tied_tensors
+from .distributed import full_shape, prepare_fsdp, share_tied_tensors
 
 logger = logging.get_logger(__name__)
 
@@ -94,7 +94,7 @@ class TfmRMSNorm(nn.Module):
         return self.weight * hidden_states.to(input_dtype)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+        return f"{tuple(full_shape(self.weight))}, eps={self.variance_epsilon}"
 
 
 NORM_CLASSES = {"layernorm": TfmLayerNorm, "rmsnorm": TfmRMSNorm}
@@ -447,7 +447,7 @@ class TfmTopKRouter(nn.Module):
         return router_logits, top_k_weights, top_k_index
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[1]} -> {self.num_experts} experts, top-{self.top_k}"
+        return f"{full_shape(self.weight)[1]} -> {self.num_experts} experts, top-{self.top_k}"
 
 
 @use_experts_implementation
@@ -484,7 +484,7 @@ class TfmExperts(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        experts, width, hidden = self.gate_up_proj.shape
+        experts, width, hidden = full_shape(self.gate_up_proj)
         return f"{experts} x ({hidden} -> 2 x {width // 2} -> {hidden})"
 
 

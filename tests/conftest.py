@@ -60,7 +60,9 @@ CI_ONLY = {
         "the mixin's same tests per position scheme and encoder-decoder layout (the rope decoder's, MoE decoder's, "
         "BERT-like encoder's and BART-like ones' run here; tests/test_modeling.py's grid checks every scheme)",
     ),
-    "test_distributed.py": (r"", "several processes (DDP, FSDP2, TP)"),
+    "test_distributed.py": (r"", "several processes (DDP, FSDP2, TP, multi-node)"),
+    "test_deepspeed.py": (r"", "several processes (DeepSpeed ZeRO)"),
+    "test_ray.py": (r"", "a local Ray cluster of 2 workers"),
     "test_serving.py": (r"test_transformers_serve", "a server"),
     "test_serving_vllm.py": (r"", "vLLM's server, in its own environment"),
     "test_moe.py": (

@@ -41,7 +41,7 @@ def recommendations() -> dict[str, dict[str, str]]:
 
 def test_each_question_has_one_answer_everywhere():
     found = recommendations()
-    assert set(found) == {"cpu-decoding", "export", "attention", "gguf-type"}, set(found)
+    assert set(found) == {"cpu-decoding", "export", "attention", "gguf-type", "scale-out"}, set(found)
     for question, lines in found.items():
         assert len(set(lines.values())) == 1, f"{question}: the pages answer differently: {lines}"
     (cpu,) = set(found["cpu-decoding"].values())
@@ -51,6 +51,8 @@ def test_each_question_has_one_answer_everywhere():
     assert "AVX-512 VNNI" in cpu and "C++ compiler" in cpu and "fall back" in cpu  # q4's precondition, and without it
     (gguf,) = set(found["gguf-type"].values())
     assert gguf.startswith("**Which GGUF type:** `q4_k_m`") and "`q8_0`" in gguf
+    (engine,) = set(found["scale-out"].values())
+    assert all(name in engine for name in ("FSDP2", "ZeRO-3 with CPU offload", "Ray Train")), engine
 
 
 @pytest.mark.parametrize("page", pages())
@@ -69,8 +71,13 @@ def test_removed_apis_are_named_only_by_the_changelog(page):
 
 def test_the_task_pages_open_with_their_recommendation():
     """The answer is on the page's first screen: before the first section heading."""
-    openers = {"fast-inference": "cpu-decoding", "deployment": "export", "performance": "cpu-decoding"}
-    openers["llama-cpp"] = "gguf-type"
+    openers = {
+        "fast-inference": "cpu-decoding",
+        "deployment": "export",
+        "performance": "cpu-decoding",
+        "llama-cpp": "gguf-type",
+        "scale-out": "scale-out",
+    }
     for page, question in openers.items():
         head = doc_page(page).read_text().split("\n## ")[0]
         assert f"<!-- recommendation: {question} -->" in head, page

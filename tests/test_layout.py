@@ -18,7 +18,7 @@ PACKAGE = ROOT / "hf_tfm"
 LAYERS = [
     # what a saved folder carries as remote code, and what needs nothing of hf_tfm
     {"configuration", "checkpoint", "distributed", "modeling"},
-    {"tokenization", "data", "training.collator", "training.threads", "programs", "exporters.registry"},
+    {"tokenization", "data", "training.collator", "training.threads", "scale_out", "programs", "exporters.registry"},
     # the inference wing, bottom to top: kernels, layers, the quantize table and attention, the step, the loader
     {"inference.kernels"},
     {"inference.layers", "inference.step_store"},

@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from ..scale_out import is_main_process
 from .training_options import (
     add_training_args,
     card_metadata,
@@ -65,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         lambda result: _card(args, settings.as_dict(), result, lora=lora, labels=label_names, sizes=sizes),
         overwrite=args.overwrite,
     )
+    if not is_main_process():  # another rank of a multi-process launch: rank 0 wrote the folder and reports
+        return 0
     print(
         f"saved {args.output_dir}: eval accuracy {result['test_accuracy']:.3f} "
         f"(majority-class baseline {baseline:.3f}, {len(label_names)} classes)"

@@ -3,6 +3,8 @@
 import argparse
 import json
 
+from .common import CliError
+
 DOC_PAGE = "docs/cli.md#subcommands"
 
 
@@ -11,6 +13,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser("info", help="config, parameter count and supported integrations of a folder or preset")
     p.add_argument("target", help="model folder, config JSON or preset name")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--zero-ranks",
+        type=int,
+        metavar="N",
+        help="also the memory per rank of each DeepSpeed ZeRO stage on N data-parallel ranks (model states: "
+        "16-bit weights and gradients, fp32 AdamW states), with and without CPU offload",
+    )
     return p
 
 
@@ -18,7 +27,9 @@ def run(args: argparse.Namespace) -> int:
     """Print `hf_tfm.info.describe`'s report, as text or as JSON."""
     from ..info import describe
 
-    report = describe(args.target)
+    if args.zero_ranks is not None and args.zero_ranks < 1:
+        raise CliError(f"--zero-ranks must be at least 1, got {args.zero_ranks}")
+    report = describe(args.target, zero_ranks=args.zero_ranks)
     if args.json:
         print(json.dumps(report, indent=2, default=str))
         return 0
@@ -41,4 +52,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"    {group}:")
         for name, (ok, why) in entries.items():
             print(f"      {'yes' if ok else 'no ':3} {name}{': ' + why if why else ''}")
+    if "zero_memory" in report:
+        _print_zero_memory(report["zero_memory"])
     return 0
+
+
+def _print_zero_memory(memory: dict) -> None:
+    """The ZeRO table: one row per stage and offload, bytes per rank."""
+    print(f"  DeepSpeed ZeRO memory per rank on {memory['ranks']} ranks (model states; activations come on top):")
+    print(f"    {'stage':<6}{'offload':<18}{'weights':>11}{'gradients':>11}{'optimizer':>11}{'device':>11}{'CPU':>11}")
+    for row in memory["rows"]:
+        sizes = [format_bytes(row[key]) for key in ("params", "grads", "optimizer", "device", "cpu")]
+        print(f"    {row['stage']:<6}{row['offload']:<18}" + "".join(f"{size:>11}" for size in sizes))
+
+
+def format_bytes(size: int) -> str:
+    """`size` bytes in the largest binary unit that keeps it at 1 or more (`1.50 GiB`, `512 B`)."""
+    for unit in ("GiB", "MiB", "KiB"):
+        scale = 1024 ** ("KMG".index(unit[0]) + 1)
+        if size >= scale:
+            return f"{size / scale:.2f} {unit}"
+    return f"{size} B"

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ..scale_out import is_main_process
 from .common import CliError
 from .training_options import (
     add_training_args,
@@ -54,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
         lambda result: _card(args, settings.as_dict(), result, source=source, texts=len(texts)),
         overwrite=args.overwrite,
     )
+    if not is_main_process():  # another rank of a multi-process launch: rank 0 wrote the folder and reports
+        return 0
     print(f"saved {args.output_dir}: held-out loss {result['eval_loss']:.3f}, perplexity {result['perplexity']:.2f}")
     return 0
 

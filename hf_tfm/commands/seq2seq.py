@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ..scale_out import is_main_process
 from .common import CliError
 from .training_options import (
     card_metadata,
@@ -55,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
         ),
         overwrite=args.overwrite,
     )
+    if not is_main_process():  # another rank of a multi-process launch: rank 0 wrote the folder and reports
+        return 0
     print(
         f"saved {args.output_dir}: held-out loss {result['eval_loss']:.3f}, exact match {result['exact_match']:.3f}, "
         f"word F1 {result['word_f1']:.3f} (majority-target baseline {result['baseline_exact_match']:.3f} / "

@@ -65,6 +65,12 @@ def add_training_args(p: argparse.ArgumentParser, labelled: bool) -> None:
     train.add_argument("--seq-len", type=int, help="tokens per training sequence (default 128)")
     train.add_argument("--warmup-steps", type=int, help="linear warm-up steps (default 5%% of the steps)")
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument(
+        "--deepspeed",
+        metavar="CONFIG",
+        help="a DeepSpeed config (JSON) for Trainer, e.g. examples/deepspeed/zero3.json: ZeRO sharding, CPU offload; "
+        "launch the command with torchrun, accelerate launch or deepspeed (docs/scale-out.md)",
+    )
 
 
 def _add_model_args(p: argparse.ArgumentParser, labelled: bool) -> None:
@@ -149,7 +155,10 @@ def settings_from(args: argparse.Namespace, **defaults: Any) -> "TrainSettings":
     from ..training import TrainSettings
 
     values = dict(defaults)
-    for name in ("max_steps", "epochs", "learning_rate", "batch_size", "seq_len", "seed", "warmup_steps"):
+    if getattr(args, "deepspeed", None) is not None and not Path(args.deepspeed).is_file():
+        raise CliError(f"--deepspeed {args.deepspeed}: no such file")
+    names = ("max_steps", "epochs", "learning_rate", "batch_size", "seq_len", "seed", "warmup_steps", "deepspeed")
+    for name in names:
         value = getattr(args, name, None)
         if value is not None:
             values[name] = value

@@ -20,6 +20,7 @@ from transformers.utils import logging
 from .. import modeling
 from ..checks import need, need_dense, need_rope
 from ..configuration import TfmConfig, TfmSeq2SeqConfig
+from ..scale_out import full_parameters, partitioned
 
 logger = logging.get_logger(__name__)
 
@@ -370,6 +371,15 @@ def _build(cls, config, source: torch.nn.Module, state: dict, optional: set[str]
     return model
 
 
+def _state_of(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The model's state dict, whole also where DeepSpeed ZeRO-3 partitioned its parameters (gathered on every rank,
+    which must all convert, and copied)."""
+    if not partitioned(model):
+        return model.state_dict()
+    with full_parameters(model):
+        return {key: value.detach().clone() for key, value in model.state_dict().items()}
+
+
 def _tied_targets(model: PreTrainedModel) -> set[str]:
     """Keys that are tied copies of another weight (filled by tying, not by the state dict)."""
     return set(getattr(model, "all_tied_weights_keys", None) or {})
@@ -393,7 +403,7 @@ def from_hf(model_or_path: PreTrainedModel | str | Path) -> modeling.TfmPreTrain
     head = _head_of(source)
     kwargs = family.config_from_hf(source.config, head)
     kwargs.update({name: getattr(source.config, name) for name in CARRIED_FIELDS})
-    state = source.state_dict()
+    state = _state_of(source)
     if family.split_state is not None:
         state = family.split_state(state)
     rules = family.rules(head)
@@ -464,7 +474,7 @@ def to_hf(model: modeling.TfmPreTrainedModel | str | Path) -> PreTrainedModel:
 
     rules = family.rules(head)
     converted = {}
-    for key, value in model.state_dict().items():
+    for key, value in _state_of(model).items():
         renamed = _rename(key, rules, to_hf=True)
         if renamed is None:
             raise ValueError(f"to_hf: no {name} counterpart for hf_tfm weight `{key}`.")

@@ -20,7 +20,7 @@ from transformers import (
 
 from ..configuration import TfmConfig
 from ..modeling import TfmForCausalLM
-from .trainer import Examples, TrainSettings, history_with_final, pack_texts, run_trainer
+from .trainer import Examples, TrainSettings, history_with_final, launch_of, pack_texts, run_trainer
 
 
 def pretrain_causal_lm(
@@ -70,6 +70,7 @@ def pretrain_causal_lm(
         "perplexity": math.exp(min(final["eval_loss"], 50.0)),
         "train_loss": history["train"][-1][1] if history["train"] else None,
         "steps": trainer.state.global_step,
+        "launch": launch_of(trainer),
         "train_tokens": len(train_blocks) * settings.seq_len,
         "eval_tokens": len(eval_blocks) * settings.seq_len,
         "parameters": model.num_parameters(),

@@ -22,7 +22,7 @@ from ..configuration import TfmConfig
 from ..modeling import TfmForSequenceClassification
 from .lora import adapter_base_of, lora_targets, save_adapter, with_lora
 from .metrics import label_accuracy
-from .trainer import Examples, TrainSettings, history_with_final, run_trainer
+from .trainer import Examples, TrainSettings, history_with_final, launch_of, run_trainer
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ def finetune_classifier(
         "train_examples": len(train_set),
         "test_examples": len(test_set),
         "steps": trainer.state.global_step,
+        "launch": launch_of(trainer),
         "trainable_parameters": trainable_params,
         "parameters": model.num_parameters(),  # after merging LoRA, as saved
         "lora": lora,

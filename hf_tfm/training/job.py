@@ -6,6 +6,7 @@ A run that fails or is interrupted leaves the old folder as it was, and never a 
 
 import json
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 from transformers import AutoConfig
 
 from ..checkpoint import staged_folder
+from ..scale_out import is_main_process
 from .model_card import write_model_card
 from .output_dir import check_output_dir
 
@@ -32,6 +34,9 @@ def training_job(
     (`check_output_dir`). Returns the metrics.
     """
     check_output_dir(output_dir, overwrite)
+    if not is_main_process():  # another rank of a multi-process launch trains beside rank 0, which writes the folder
+        with tempfile.TemporaryDirectory(prefix="hf-tfm-rank-") as scratch:
+            return train(Path(scratch))
     with staged_folder(output_dir) as folder:
         metrics = train(folder)
         config = AutoConfig.from_pretrained(folder)  # hf_tfm's registered classes: no code of the folder runs

@@ -29,7 +29,7 @@ from ..modeling import TfmForConditionalGeneration
 from .generation import generate_texts
 from .lora import LORA_PROJECTIONS, adapter_base_of, save_adapter, with_lora
 from .metrics import generation_scores
-from .trainer import Examples, TrainSettings, history_with_final, run_trainer
+from .trainer import Examples, TrainSettings, history_with_final, launch_of, run_trainer
 
 
 def seq2seq_from_causal_lm(
@@ -186,6 +186,7 @@ def train_seq2seq(
         "train_examples": len(train_set),
         "test_examples": len(test_set),
         "steps": trainer.state.global_step,
+        "launch": launch_of(trainer),
         "trainable_parameters": trainable_params,
         "parameters": model.num_parameters(),
         "lora": lora,

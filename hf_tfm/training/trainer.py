@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase, Trainer, TrainingArguments
 
+from ..scale_out import cpu_only_launch, release_zero3
 from .threads import FreeCoreThreads
 
 
@@ -32,6 +33,7 @@ class TrainSettings:
     weight_decay: float = 0.01
     evals: int = 4  # held-out evaluations during training (LM), for the loss curve
     logging_steps: int | None = None  # None: about 25 points per run
+    deepspeed: str | None = None  # a DeepSpeed config file, as `TrainingArguments(deepspeed=...)` takes it
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as they take effect (no `epochs` when `max_steps` wins; the warm-up default spelled out)."""
@@ -42,6 +44,8 @@ class TrainSettings:
             values["warmup_steps"] = "5% of the steps"
         if self.logging_steps is None:
             values.pop("logging_steps")
+        if self.deepspeed is None:
+            values.pop("deepspeed")
         return values
 
 
@@ -97,6 +101,8 @@ def training_args(
         dataloader_num_workers=0,
         dataloader_pin_memory=torch.cuda.is_available(),
         disable_tqdm=False,
+        deepspeed=settings.deepspeed,
+        use_cpu=cpu_only_launch(),  # torchrun / accelerate launch without GPUs: data parallel over gloo
     )
 
 
@@ -149,7 +155,20 @@ def run_trainer(
         )
         trainer.train()
         final = finish(trainer)
+    release_zero3(trainer)  # ZeRO-3: whole parameters again, for the merge, generation and save that follow
     return trainer, final
+
+
+def launch_of(trainer: Trainer) -> dict[str, Any]:
+    """How the run trained, for metrics.json: its processes, the engine that wrapped the model (the model's own class
+    in one process, `DistributedDataParallel`, `DeepSpeedEngine`, ...) and the ZeRO stage where DeepSpeed ran."""
+    engine = trainer.model_wrapped
+    stage = getattr(engine, "zero_optimization_stage", None)  # a DeepSpeedEngine's, from the config it runs
+    return {
+        "processes": trainer.args.world_size,
+        "engine": type(engine).__name__,
+        "zero_stage": stage() if stage is not None else None,
+    }
 
 
 def history_with_final(
@@ -163,4 +182,4 @@ def history_with_final(
     return history
 
 
-__all__ = ["Examples", "TrainSettings", "history_with_final", "loss_history", "pack_texts", "run_trainer"]
+__all__ = ["Examples", "TrainSettings", "history_with_final", "launch_of", "loss_history", "pack_texts", "run_trainer"]
