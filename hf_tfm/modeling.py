@@ -951,9 +951,18 @@ class TfmModel(TfmPreTrainedModel):
         if not isinstance(masks, dict):  # generate() may pass masks already built per layer type
             # An empty cache we just made adds no offset; leaving it out lets the masks see packed position_ids.
             masks = self._build_masks(inputs_embeds, attention_mask, None if fresh_cache else self_cache, position_ids)
-        source = (encoder_hidden_states, encoder_attention_mask)  # a seq2seq decoder's: the encoder output
+        # A seq2seq decoder's layers also read the encoder output. No `*args` here: llm-compressor's tracer wraps a
+        # call with starred arguments whole, and would then not see the layers it calibrates one by one.
         hidden_states = self._layers(
-            hidden_states, inputs_embeds, position_ids, masks, cache, self_cache, *source, **kwargs
+            hidden_states,
+            inputs_embeds,
+            position_ids,
+            masks,
+            cache,
+            self_cache,
+            encoder_hidden_states,
+            encoder_attention_mask,
+            **kwargs,
         )
         return self._output(hidden_states, input_ids, attention_mask, cache if use_cache else None)
 
