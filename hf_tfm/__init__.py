@@ -31,7 +31,7 @@ from .modeling import (
     TfmSeq2SeqModel,
 )
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 AUTO_CLASSES = {
     "AutoModel": (AutoModel, TfmModel),
