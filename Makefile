@@ -71,6 +71,8 @@ ENDS_ONLY := tests/test_transformers_common.py tests/test_doc_pages.py tests/tes
 NEWEST_ONLY := tests/test_bench.py tests/test_gpu_check.py tests/test_export_ctranslate2.py
 MATRIX_TMP ?= $(or $(TMPDIR),/tmp)/hf_tfm-test-matrix
 MATRIX_LOG := $(MATRIX_TMP)/pinned.log
+# Each suite ends with its slowest tests, so that a CI log says where its time went.
+test-matrix: ARGS += --durations=15
 test-matrix: matrix-env
 	rm -rf $(MATRIX_TMP) && mkdir -p $(MATRIX_TMP)
 	( export OMP_NUM_THREADS=1; set -e; for v in $(MATRIX); do \

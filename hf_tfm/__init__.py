@@ -31,7 +31,7 @@ from .modeling import (
     TfmSeq2SeqModel,
 )
 
-__version__ = "0.3.0"
+__version__ = "0.3.1"
 
 AUTO_CLASSES = {
     "AutoModel": (AutoModel, TfmModel),

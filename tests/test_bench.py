@@ -233,7 +233,7 @@ def test_bench_script_runs_as_documented():
     """`python scripts/bench.py` (the entry point of the package beside it) takes the documented flags."""
     done = subprocess.run([sys.executable, str(BENCH), "--help"], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
-    for flag in ("--size", "--runtimes", "--decode-settings", "--ttft", "--padded", "tinyllama"):
+    for flag in ("--size", "--runtimes", "--decode-settings", "--speculative", "--ttft", "--padded", "tinyllama"):
         assert flag in done.stdout, flag
 
 
@@ -293,3 +293,37 @@ def test_bench_runtimes_ttft_padded_tiny(tmp_path, tinyllama_standin):
     assert table.startswith("Load average (1 / 5 / 15 min): ") and "ms/token B=2 padded" in table
     assert "| first token ms P=128 | first token ms P=512 |" in table
     assert f"| {tinyllama_standin} | onnx int8 |" in table
+
+
+@pytest.mark.slow
+def test_bench_speculative_tiny(tmp_path):
+    """`--speculative`: plain, prompt-lookup and assisted generate() of one model through load_for_inference, each
+    output checked by the bench against the tokens the model is built to decode, the speed-ups over plain and the
+    tokens each target pass yielded: plain one, prompt lookup on copied text more (none proposed on the first pass,
+    every one accepted after it), on new text one (nothing to copy), the draft of the target's own first layer every
+    proposal accepted (at this size's few new tokens, the target's first pass over the prompt and the draft's
+    proposals yields them all)."""
+    bench = load_bench()
+    out = run_bench(["--size", "tiny", "--rounds", "1", "--speculative", "q4", "--json", str(tmp_path / "spec.json")])
+    assert json.loads((tmp_path / "spec.json").read_text())["speculative"] == out["speculative"]
+    (row,) = out["speculative"]
+    assert "error" not in row, row
+    new = bench.SHAPES["tiny"]["new"]
+    assert row["plain_tokens_per_pass"] == row["lookup_new_tokens_per_pass"] == 1.0
+    assert row["lookup_copied_tokens_per_pass"] > 1 and row["assisted_tokens_per_pass"] == new
+    for name in ("lookup_copied", "lookup_new", "assisted"):
+        assert row[f"{name}_token_s"] > 0 and math.isfinite(row[f"{name}_speedup"])
+    assert "| tiny | q4 | 1 |" in out["markdown"]
+
+
+def test_bench_speculative_target_decodes_its_permutation():
+    """The speculative target's construction: the prompt that repeats is one cycle of the permutation greedy decoding
+    follows, the other prompt's continuation copies nothing of it, and no special id is in either."""
+    load_bench()
+    speculative = importlib.import_module("benchmark.speculative")
+    successor, copied, new = speculative.prompts("tiny")
+    assert sorted(successor.tolist()) == list(range(speculative.SIZES["tiny"]["vocab"]))  # a permutation
+    cycle = speculative.greedy(successor, copied, copied.shape[1])[0, copied.shape[1] :]
+    assert torch.equal(cycle, copied[0])  # its continuation is the prompt again
+    continuation = speculative.greedy(successor, new, 64)[0, new.shape[1] :]
+    assert not set(continuation.tolist()) & set(new[0].tolist()) and min(copied.min(), new.min()) >= 3

@@ -112,6 +112,77 @@ def test_llama_cpp_page_comparisons_hold(tinyllama, base):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Speculative decoding: scripts/results/speculative_SIZE.json, written by `scripts/bench.py --speculative all`
+
+SPECULATIVE_CALLS = {
+    "lookup_copied": "prompt lookup, the output copies the prompt",
+    "lookup_new": "prompt lookup, nothing to copy",
+    "assisted": "draft, every token accepted",
+}
+SPECULATIVE_SHAPES = {"base": "base (110M)", "tinyllama": "TinyLlama-1.1B shape"}
+
+
+def speculative_rows() -> list[dict]:
+    rows = []
+    for size in SPECULATIVE_SHAPES:
+        rows += json.loads((RESULTS / f"speculative_{size}.json").read_text())["speculative"]
+    return rows
+
+
+def test_speculative_table_is_the_bench_results():
+    """docs/speculative.md's table: every row of the results files, as measured, in both calls."""
+    rows = speculative_rows()
+    assert {row["size"] for row in rows} == set(SPECULATIVE_SHAPES)
+    text = doc_page("speculative").read_text()
+    for row in rows:
+        assert "error" not in row, row
+        assert row["k"] == 8
+        for name, call in SPECULATIVE_CALLS.items():
+            cells = [
+                call,
+                f"{SPECULATIVE_SHAPES[row['size']]}, {row['setting']}",
+                f"{row['plain_token_s'] * 1e3:.1f}",
+                f"{row[f'{name}_token_s'] * 1e3:.1f}",
+                f"**{row[f'{name}_speedup']:.2f}x**",
+                f"{row[f'{name}_tokens_per_pass']:.1f}",
+            ]
+            line = "| " + " | ".join(cells) + " |"
+            assert line in text, f"docs/speculative.md should have the row {line!r}"
+
+
+def verify_cost(row: dict) -> float:
+    """A verify pass of the target over the copied text, in one-token steps: its time per token times the tokens a
+    pass yielded, over plain decoding's time per token."""
+    return row["lookup_copied_token_s"] * row["lookup_copied_tokens_per_pass"] / row["plain_token_s"]
+
+
+def test_speculative_prose_is_the_bench_results():
+    """The sentences under the table: each figure recomputed from the results, each comparison true of every row."""
+    rows = speculative_rows()
+    by_setting = {setting: [row for row in rows if row["setting"] == setting] for setting in ("fp32", "q8", "q4")}
+    floats, q4 = by_setting["fp32"] + by_setting["q8"], by_setting["q4"]
+    fp32_cost, q4_cost = list(map(verify_cost, by_setting["fp32"])), list(map(verify_cost, q4))
+    assert_states(
+        "speculative",
+        f"prompt lookup on copied text decodes {span([r['lookup_copied_speedup'] for r in floats])} faster",
+        f"a well-matched draft {span([r['assisted_speedup'] for r in floats])}",
+        f"({span([r['lookup_copied_speedup'] for r in q4])} with lookup, "
+        f"{span([r['assisted_speedup'] for r in q4])} with a draft)",
+        f"a verify step of 9 tokens costs {min(q4_cost):.1f} to {max(q4_cost):.1f} one-token steps at `q4`, where a "
+        f"float32 one costs {min(fp32_cost):.1f} to {max(fp32_cost):.1f}",
+        f"at {span([r['lookup_new_speedup'] for r in rows])} plain decoding's speed",
+    )
+    # "both pay" at float32 and q8; at q4 "prompt lookup pays and a draft gains least", its verify step dearer
+    assert all(r["lookup_copied_speedup"] > 1.2 and r["assisted_speedup"] > 1.2 for r in floats)
+    assert all(r["lookup_copied_speedup"] > 1.2 for r in q4)
+    for row in q4:
+        others = [r["assisted_speedup"] for r in floats if r["size"] == row["size"]]
+        assert row["assisted_speedup"] < min(others), row["size"]
+    assert min(q4_cost) > max(fp32_cost)
+    assert all(row["lookup_new_tokens_per_pass"] == 1.0 for row in rows)  # nothing proposed
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # make demo
 
 

@@ -28,16 +28,15 @@ GREEDY = {"max_new_tokens": 24, "min_new_tokens": 24, "do_sample": False}
 
 def pair(folder):
     """(target, draft) folders: the draft is the target's first layers, the target's other layers add nothing."""
-    shape = {"intermediate_size": 128, "max_position_embeddings": 96}
+    # grouped-query attention (2 query heads a key/value head): the verify step's export once failed on its shapes
+    shape = {"intermediate_size": 128, "max_position_embeddings": 96, "num_key_value_heads": 2}
     target = build(TfmForCausalLM, tiny_config(num_hidden_layers=LAYERS, **shape))
     with torch.no_grad():
         for layer in target.model.layers[DRAFT_LAYERS:]:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
     target.save_pretrained(folder / "target")
-    draft = build(
-        TfmForCausalLM, tiny_config(num_hidden_layers=DRAFT_LAYERS, intermediate_size=128, max_position_embeddings=96)
-    )
+    draft = build(TfmForCausalLM, tiny_config(num_hidden_layers=DRAFT_LAYERS, **shape))
     draft.load_state_dict(target.state_dict(), strict=False)  # the layers it has, the embedding, norm and head
     draft.save_pretrained(folder / "draft")
     return folder / "target", folder / "draft"

@@ -80,7 +80,10 @@ def _plain_attention(
     weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     weights = F.dropout(weights, p=dropout, training=module.training)
     out = torch.matmul(weights.view(batch, kv_heads, -1, slots), value)  # (B, H_kv, G * T, D)
-    out = out.view(batch, heads, queries, dim).transpose(1, 2).contiguous()  # (B, T, H, D)
+    # (B, H_kv, G, T, D), then the heads merged: one `view` to (B, H, T, D) would give the head dimension a stride that
+    # a verify step's symbolic token count leaves unsimplified, and torch.export then fails on the copy's guard
+    out = out.view(batch, kv_heads, heads // kv_heads, queries, dim).flatten(1, 2)  # (B, H, T, D)
+    out = out.transpose(1, 2).contiguous()  # (B, T, H, D)
     return out, weights.reshape(batch, heads, queries, slots)
 
 

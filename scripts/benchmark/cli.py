@@ -2,8 +2,8 @@
 
 What each run measures is described where it is measured: the pairs and sizes in `bench.models`, the tasks in
 `bench.steps`, the pair runs in `bench.pairs`, ``--decode-settings`` in `bench.decode`, ``--runtimes`` (with
-``--ttft``) in `bench.runtimes`, ``--charts`` in `bench.charts`. The report's header gives the load averages at the
-start and the end (the host is shared).
+``--ttft``) in `bench.runtimes`, ``--speculative`` in `bench.speculative`, ``--charts`` in `bench.charts`. The
+report's header gives the load averages at the start and the end (the host is shared).
 
 Usage: ``python scripts/bench.py --size small --rounds 5 --json bench.json``. See ``--help``.
 """
@@ -26,8 +26,9 @@ from .decode import COMPILED, DECODE_SETTINGS, decode_settings
 from .measure import gpu_peak_bf16_flops, idle_free_cores, load_average, machine_info, stream_bandwidth
 from .models import ALL_TASKS, BANDWIDTH_MIB, PAIR_TASKS, SHAPES, SIZES
 from .pairs import run_pairs
-from .report import decode_markdown, header, markdown, runtimes_markdown
+from .report import decode_markdown, header, markdown, runtimes_markdown, speculative_markdown
 from .runtimes import REFERENCE, RUNTIME_SETTINGS, TTFT_PROMPTS, runtimes
+from .speculative import LOOKUP_TOKENS, SPECULATIVE_SETTINGS, speculative
 
 
 def parser() -> argparse.ArgumentParser:
@@ -100,6 +101,13 @@ def _add_decoding_arguments(p: argparse.ArgumentParser) -> None:
         "left-padded where a runtime takes one tensor (decode_b8, --decode-settings, --runtimes)",
     )
     p.add_argument("--bandwidth-mib", type=int, default=None, help="size of the bandwidth GEMV (default: by --size)")
+    p.add_argument(
+        "--speculative",
+        default=None,
+        help="instead of the pair tasks: greedy generate() through load_for_inference under each hf_tfm setting "
+        f"(comma list of {','.join(SPECULATIVE_SETTINGS)}, or all), plain against prompt lookup and a draft model, "
+        f"{LOOKUP_TOKENS} tokens proposed a round",
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -116,7 +124,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.pair_list = [x for x in args.pairs.split(",") if x]
     args.setting_list = _decode_settings(args.decode_settings, p)
     args.runtime_list = _runtimes(args.runtimes, p)
+    args.speculative_list = _speculative(args.speculative, p)
+    if sum(map(bool, (args.setting_list, args.runtime_list, args.speculative_list))) > 1:
+        p.error("--decode-settings, --runtimes and --speculative are runs of their own: choose one")
     return args
+
+
+def _speculative(chosen: str | None, p: argparse.ArgumentParser) -> list[str]:
+    """The settings `--speculative` names."""
+    if not chosen:
+        return []
+    settings = list(SPECULATIVE_SETTINGS) if chosen == "all" else chosen.split(",")
+    if bad := set(settings) - set(SPECULATIVE_SETTINGS):
+        p.error(f"unknown speculative settings {sorted(bad)}")
+    return settings
 
 
 def _decode_settings(chosen: str | None, p: argparse.ArgumentParser) -> list[str]:
@@ -206,6 +227,8 @@ def run(args: argparse.Namespace, device: str, argv: list[str] | None) -> dict:
 def measure(args: argparse.Namespace, device: str) -> dict:
     """What the run measures, as its output's keys: the pairs' results and extra rows; or the streaming bandwidth and
     the decode settings' or the runtimes' rows."""
+    if args.speculative_list:  # plain, prompt-lookup and assisted generate() of one model, per setting
+        return {"speculative": [row for size in args.sizes for row in speculative(size, args)]}
     if not (args.setting_list or args.runtime_list):
         results, extra = run_pairs(args, device)
         return {"results": results, "extra": extra}
@@ -222,7 +245,9 @@ def measure(args: argparse.Namespace, device: str) -> dict:
 
 
 def table_of(out: dict, args: argparse.Namespace) -> str:
-    """The markdown table of the run: the runtimes', else the decode settings', else the pairs'."""
+    """The markdown table of the run: the speculative calls', the runtimes', the decode settings' or the pairs'."""
+    if "speculative" in out:
+        return speculative_markdown(out["speculative"])
     batches = SHAPES[args.sizes[0]]["decode_batches"]
     if "runtimes" in out:
         ttft = TTFT_PROMPTS if args.ttft else ()

@@ -184,3 +184,35 @@ def runtimes_markdown(
     ]
     heading = f"{bandwidth_line(bandwidth)}. Each setting decodes in a process of its own."
     return "\n".join([heading, "", *table(columns, rows)])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Speculative decoding: plain, prompt-lookup and assisted generate() of one model
+
+
+def speculative_markdown(rows: list[dict]) -> str:
+    """Per setting: ms per new token of plain greedy decoding, and of each speculative call with its speed-up over
+    plain and the tokens each target pass yielded."""
+    calls = {
+        "lookup_copied": "prompt lookup, copied text",
+        "lookup_new": "prompt lookup, new text",
+        "assisted": "assisted",
+    }
+    columns = [
+        text("size"),
+        text("setting"),
+        Column("draft layers", lambda r: str(r["draft_layers"])),
+        Column("plain ms/token", lambda r: ms(r["plain_token_s"])),
+    ]
+    for name, title in calls.items():
+        columns += [
+            Column(f"{title} ms/token", lambda r, name=name: ms(r[f"{name}_token_s"])),
+            Column("speed-up", lambda r, name=name: f"**{r[f'{name}_speedup']:.2f}x**"),
+            Column("tokens/pass", lambda r, name=name: f"{r[f'{name}_tokens_per_pass']:.1f}"),
+        ]
+    k = next((r["k"] for r in rows), 0)
+    heading = (
+        f"Greedy generate() through load_for_inference, batch 1, {k} tokens proposed a round; times of the whole "
+        "call over its new tokens; every output equal to greedy decoding's."
+    )
+    return "\n".join([heading, "", *table(columns, rows)])
