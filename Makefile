@@ -53,7 +53,8 @@ matrix-env:
 # code the other files test per release) and CTranslate2 (its export is built from the config, not by transformers).
 # The releases between run what `make test` runs, without the slow tests (multi-process, end-to-end, compile) and
 # without CI's extra cases (the runtimes per variant, servers): the ends run those, and tests/test_cross_release.py
-# loads checkpoints into every release's environment from both ends.
+# loads checkpoints into every release's environment from both ends. The cases marked `one_release` (tests/conftest.py's
+# ONE_RELEASE: hf_tfm's own code, beside a case of the same path that every release runs) run on the newest alone.
 #
 # Two lanes share the machine's 2 cores: the newest release in one (its output live), the pinned releases one after
 # another in the other, then NEWEST_ONLY on the newest release (that lane's output in MATRIX_LOG, printed when both
@@ -77,8 +78,9 @@ test-matrix: matrix-env
 	rm -rf $(MATRIX_TMP) && mkdir -p $(MATRIX_TMP)
 	( export OMP_NUM_THREADS=1; set -e; for v in $(MATRIX); do \
 		case " $(COMMON_ENDS) " in \
-			*" $$v "*) skip="$(addprefix --ignore=,$(NEWEST_ONLY))"; marks="not solo";; \
-			*) skip="$(addprefix --ignore=,$(ENDS_ONLY) $(NEWEST_ONLY))"; marks="not slow and not solo and not ci";; \
+			*" $$v "*) skip="$(addprefix --ignore=,$(NEWEST_ONLY))"; marks="not solo and not one_release";; \
+			*) skip="$(addprefix --ignore=,$(ENDS_ONLY) $(NEWEST_ONLY))"; \
+				marks="not slow and not solo and not ci and not one_release";; \
 		esac; \
 		HF_MODULES_CACHE=$(MATRIX_TMP)/modules-$$v $(MAKE) test TRANSFORMERS=$$v WORKERS=1 MARKS="$$marks" \
 			ARGS="$$skip $(ARGS)"; \
@@ -94,7 +96,7 @@ test-matrix: matrix-env
 	echo "    in its own environment, whatever release saved the folder)"; \
 	HF_MODULES_CACHE=$(MATRIX_TMP)/modules-newest $(MAKE) test WORKERS=1 MARKS=solo ARGS="$(ARGS)"; solo=$$?; \
 	for v in $(COMMON_ENDS); do \
-		HF_MODULES_CACHE=$(MATRIX_TMP)/modules-$$v $(MAKE) test TRANSFORMERS=$$v WORKERS=1 MARKS=solo \
+		HF_MODULES_CACHE=$(MATRIX_TMP)/modules-$$v $(MAKE) test TRANSFORMERS=$$v WORKERS=1 MARKS="solo and not one_release" \
 			ARGS="$(addprefix --ignore=,$(NEWEST_ONLY) tests/test_serving_vllm.py) $(ARGS)" || solo=1; \
 	done; \
 	echo "--- newest release: exit $$newest; pinned releases: exit $$pinned; solo tests: exit $$solo"; \

@@ -77,6 +77,25 @@ CI_ONLY = {
     ),
     "test_training.py": (r"test_free_core_threads_gives_a_busy_process", "two processes competing for the cores"),
     "test_cross_release.py": (r"", "every release's environment"),
+    "test_doc_jobs.py": (
+        r"test_llama_cpp_page|test_share_on_hub_page",
+        "a job page end to end (pretraining or fine-tuning, export or upload: over a minute each); own-architecture's "
+        "runs here",
+    ),
+    "test_cli.py": (
+        r"test_demo_(?!baselines|refuses)",
+        "the main job end to end (`hf-tfm demo --quick`, over 2 minutes); its commands are tested one by one here",
+    ),
+    "test_quantization.py": (
+        r"test_quantized_logits_close_to_fp32\[quanto-int4",
+        "quanto's int4 kernel, built on first use (~40 s); its int8 runs here, through the same integration",
+    ),
+    "test_aot.py": (
+        r"test_seeded_sampling_equals_eager\[num-return|test_beam_search|test_other_positions",
+        "a library per batch size and layout (~20 s each): the batch of 9 rows, ALiBi's and learned positions' "
+        "layouts; the batch of 3's, the single prompt's and q4's run here",
+    ),
+    "test_kernels.py": (r"test_the_avx2_build", "a second build of the kernel, for the AVX2 path of AVX-512 CPUs"),
     "test_bench.py": (r"", "the benchmark script (tooling)"),
     "test_gpu_check.py": (r"", "the GPU-check script (tooling)"),
     "test_client_trl.py": (r"test_remote_code", "a fresh process without hf_tfm"),
@@ -112,16 +131,54 @@ CI_ONLY = {
 }
 
 
+# What CI runs on the newest transformers release only, marked `one_release`: cases whose subject is hf_tfm's own code,
+# which the release does not change, beside a case of the same path that every release's lane runs. Test file ->
+# (the tests, by a regex as in CI_ONLY; why one release tells all).
+ONE_RELEASE = {
+    "test_speculative.py": (
+        r"test_assisted.*\[q",
+        "the quantized layers and kernels are hf_tfm's own: the fp32 case runs the release's assisted and "
+        "prompt-lookup generation through the compiled steps",
+    ),
+    "test_step_store.py": (
+        r"test_a_second_process|test_a_damaged_entry|test_each_batch_size|test_cli_compile",
+        "the store's keys, files and processes are hf_tfm's own: tests/test_aot.py compiles through each release",
+    ),
+    "test_aot.py": (r"test_q4_greedy", "the q4 layers and kernel are hf_tfm's own: the float32 cases run the release"),
+    "test_kernels.py": (r"test_q4_compiled_greedy|test_the_avx2_build", "the q4 layers and kernel are hf_tfm's own"),
+    "test_deepspeed.py": (
+        r"\w+\[\w+_offload|test_pretrain_command|test_finetune_command",
+        "ZeRO's CPU offload is DeepSpeed's own, behind the integration zero2 and zero3 run; the commands' DeepSpeed "
+        "options are hf_tfm's own, on the Trainer and accelerate paths the other tests run",
+    ),
+    "test_distributed.py": (
+        r"test_two_torchrun_nodes",
+        "torchrun's rendezvous of two nodes is torch's; a node trains as the single-node tests do",
+    ),
+    "test_export_onnx.py": (
+        CI_ONLY["test_export_onnx.py"][0],
+        "the variants differ in hf_tfm's own position schemes, heads and layouts (tests/test_modeling.py checks each "
+        "on every release): one case of each kind exports through the release",
+    ),
+}
+
+
+def _matches(table: dict, item) -> bool:
+    pattern, _ = table.get(item.path.name, (None, None))
+    # matched on the test's id within its file: `test_x[params]`, or `Class::test_x` for a class's tests
+    return pattern is not None and re.match(pattern, item.nodeid.split("::", 1)[1]) is not None
+
+
 def pytest_collection_modifyitems(items: list) -> None:
-    """Marks `CI_ONLY` tests `ci`. transformers' common model tests (test_transformers_common.py) run first, in a
-    process no test has touched yet: their loading-report checks read transformers' log output, which an earlier test
-    in a full run leaves silent (not through the log level, which `transformers_verbosity` restores; not found yet,
-    see issue 18's closing note)."""
+    """Marks `CI_ONLY` tests `ci` and `ONE_RELEASE` ones `one_release`. transformers' common model tests
+    (test_transformers_common.py) run first, in a process no test has touched yet: their loading-report checks read
+    transformers' log output, which an earlier test in a full run leaves silent (not through the log level, which
+    `transformers_verbosity` restores; not found yet, see issue 18's closing note)."""
     for item in items:
-        pattern, _ = CI_ONLY.get(item.path.name, (None, None))
-        # matched on the test's id within its file: `test_x[params]`, or `Class::test_x` for a class's tests
-        if pattern is not None and re.match(pattern, item.nodeid.split("::", 1)[1]):
+        if _matches(CI_ONLY, item):
             item.add_marker(pytest.mark.ci)
+        if _matches(ONE_RELEASE, item):
+            item.add_marker(pytest.mark.one_release)
     items.sort(key=lambda item: item.path.name != "test_transformers_common.py")  # stable: the rest keep their order
 
 

@@ -4,10 +4,12 @@ the drafted tokens checked by the compiled verify step (`hf_tfm.inference.aot`) 
 own compiled step.
 
 The oracle is the same target decoding greedily, one token at a time. The test pair needs no trained weights: the
-target's last layers add exactly 0 to the residual stream (zero `o_proj` and `down_proj`: they cost what any layer
-costs, and zero stays zero when quantized), and the draft is its first layers with the same embedding, norm and head,
+last layers of both add exactly 0 to the residual stream (zero `o_proj` and `down_proj`: they cost what any layer
+costs, and zero stays zero when quantized), and the draft shares the target's first layer, embedding, norm and head,
 so the two agree on every greedy token and every drafted token is accepted — the best case a well-matched draft
-approaches (docs/speculative.md)."""
+approaches (docs/speculative.md). The draft's other weights are its own, in the target's layout: the two models run
+one library from the step store, each with its own tensors (a test compiles the target's step and verify step; a
+draft of fewer layers would add two compiles a setting, and the bench times one)."""
 
 import pytest
 import torch
@@ -21,24 +23,28 @@ from hf_tfm.inference.kernels import native_kernels_available
 # Each test compiles a decode step (seconds to tens of seconds): CI runs them on the release range's ends only
 pytestmark = pytest.mark.slow
 
-LAYERS, DRAFT_LAYERS = 4, 1
+LAYERS, SHARED_LAYERS = 4, 1
 PROMPT = torch.tensor([[1, 12, 7, 33, 12, 7, 33, 12, 7]])  # repeats itself: prompt lookup finds drafts in it
 GREEDY = {"max_new_tokens": 24, "min_new_tokens": 24, "do_sample": False}
 
 
 def pair(folder):
-    """(target, draft) folders: the draft is the target's first layers, the target's other layers add nothing."""
+    """(target, draft) folders: the same first layer, embedding, norm and head; the other layers add nothing."""
     # grouped-query attention (2 query heads a key/value head): the verify step's export once failed on its shapes
-    shape = {"intermediate_size": 128, "max_position_embeddings": 96, "num_key_value_heads": 2}
-    target = build(TfmForCausalLM, tiny_config(num_hidden_layers=LAYERS, **shape))
-    with torch.no_grad():
-        for layer in target.model.layers[DRAFT_LAYERS:]:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-    target.save_pretrained(folder / "target")
-    draft = build(TfmForCausalLM, tiny_config(num_hidden_layers=DRAFT_LAYERS, **shape))
-    draft.load_state_dict(target.state_dict(), strict=False)  # the layers it has, the embedding, norm and head
-    draft.save_pretrained(folder / "draft")
+    config = tiny_config(
+        num_hidden_layers=LAYERS, intermediate_size=128, max_position_embeddings=96, num_key_value_heads=2
+    )
+    target, draft = build(TfmForCausalLM, config), build(TfmForCausalLM, config, seed=1)
+    shared = {name: tensor for name, tensor in target.state_dict().items() if not name.startswith("model.layers.")}
+    shared |= {f"model.layers.{i}.{name}": tensor for i in range(SHARED_LAYERS) for name, tensor in
+               target.model.layers[i].state_dict().items()}  # fmt: skip
+    draft.load_state_dict(shared, strict=False)
+    for model, name in ((target, "target"), (draft, "draft")):
+        with torch.no_grad():
+            for layer in model.model.layers[SHARED_LAYERS:]:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+        model.save_pretrained(folder / name)
     return folder / "target", folder / "draft"
 
 
