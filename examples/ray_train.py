@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train import examples
@@ -51,6 +51,19 @@ def new_model(path: str | None):
     return TfmForCausalLM(TfmConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4))
 
 
+class WaitForTheCheckpoint(TrainerCallback):
+    """Holds every worker at a save until all have reached it, rank 0's checkpoint folder written.
+
+    Each worker's `RayTrainReportCallback` copies the newest checkpoint folder under `output_dir`, and Ray merges the
+    workers' copies into the one checkpoint it keeps. Where workers share `output_dir` (one machine, or shared
+    storage), a worker that copied the folder while rank 0 was still writing it would put a truncated file there.
+    """
+
+    def on_save(self, args, state, control, **kwargs):
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+
 def train_func(config: dict) -> None:
     """What each Ray worker runs."""
     import ray.train
@@ -64,7 +77,7 @@ def train_func(config: dict) -> None:
         args=args,
         train_dataset=examples(),
         data_collator=PadCollator(),
-        callbacks=[RayTrainReportCallback()],
+        callbacks=[WaitForTheCheckpoint(), RayTrainReportCallback()],  # in this order
     )
     trainer = prepare_trainer(trainer)
     trainer.train()
