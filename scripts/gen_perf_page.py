@@ -94,10 +94,12 @@ def run_date(path: Path, out: dict) -> str:
 
 
 def machine_key(out: dict) -> str:
-    """The processor's name (a GPU's for a GPU run), without trademark signs."""
+    """The processor's name (a GPU's for a GPU run), without trademark signs, and the vector instruction set hf_tfm's
+    kernels ran on where the run recorded it ("AMD EPYC, AVX2": one name covers processors of several generations)."""
     machine = out.get("machine", {})
     name = machine.get("gpu") or machine.get("cpu") or machine.get("processor") or "unknown machine"
-    return re.sub(r"\((R|TM)\)", "", name)
+    isa = "" if machine.get("gpu") or not machine.get("vector_isa") else f", {machine['vector_isa']}"
+    return re.sub(r"\((R|TM)\)", "", name) + isa
 
 
 def command_line(run: dict) -> str:

@@ -73,6 +73,23 @@ def test_performance_summary(tinyllama, base):
     assert min(q4_prompts) < max(q4_prompts) < 1 and min(q8_ahead) > 1  # the words: llama.cpp faster; q8 ahead
 
 
+def test_performance_avx2_summary():
+    """The paragraph on the AVX2 machine: q4 and q8 against the compiled float32 step, from that machine's two runs."""
+    base, tinyllama = runtimes("base_avx2"), runtimes("tinyllama_avx2")
+    step = "hf_tfm fp32 compiled"
+    prompts = [over(run, step, ours, key) for run in (base, tinyllama) for ours in (Q4, Q8) for key in PROMPTS]
+    batches = [over(run, step, ours, "b8_step_s") for run in (base, tinyllama) for ours in (Q4, Q8)]
+    assert_states(
+        "performance",
+        f"TinyLlama-1.1B's shape at {tinyllama[Q4]['b1_step_s'] * 1e3:.1f} ms a token at batch 1",
+        f"({over(tinyllama, step, Q4, 'b1_step_s'):.1f}x the compiled float32 step)",
+        f"the base decoder at {base[Q4]['b1_step_s'] * 1e3:.1f} ms ({over(base, step, Q4, 'b1_step_s'):.1f}x)",
+        f"batches of 8 at {span(batches)} its speed",
+        f"prompts at {span(prompts)}",
+    )
+    assert min(batches) > 1 and min(over(run, step, Q4, "b1_step_s") for run in (base, tinyllama)) > 2
+
+
 def test_fast_inference_summary(tinyllama):
     q4_prompts = [
         over(tinyllama, theirs, Q4, key) for theirs in ("llama.cpp q4_0", "llama.cpp q4_k_m") for key in PROMPTS

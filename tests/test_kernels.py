@@ -17,10 +17,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_tfm import load_for_inference
 from hf_tfm.inference.attention import _attended_keys, decode_attention
-from hf_tfm.inference.kernels import native_kernels_available, pack_int4, unpack_int4
+from hf_tfm.inference.kernels import (
+    built_operators,
+    float_kernel_available,
+    native_kernels_available,
+    pack_int4,
+    unpack_int4,
+)
 from hf_tfm.inference.layers import ONEDNN, STREAMING_TOKENS, Int8StreamingLinear, StreamingLinear
 
-native = pytest.mark.skipif(not native_kernels_available(), reason="needs AVX-512 VNNI and a C++ compiler")
+native = pytest.mark.skipif(not native_kernels_available(), reason="needs AVX2 or AVX-512 VNNI, and a C++ compiler")
+float_native = pytest.mark.skipif(not float_kernel_available(), reason="needs AVX-512 VNNI and a C++ compiler")
 
 
 def reference(x: torch.Tensor, integers: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -103,7 +110,7 @@ class CalledOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@native
+@float_native
 @pytest.mark.parametrize("tokens", [1, 2, 3, 5, 8, 13])
 def test_float_kernel_computes_the_product(tokens):
     """Every row count (70: a remainder past the blocks of 4 rows) and token count (blocks of 4, of 2 and a last one)
@@ -118,7 +125,7 @@ def test_float_kernel_computes_the_product(tokens):
     assert torch.equal(torch.ops.hf_tfm.float_linear(x.view(1, tokens, 1, 208), weight), y.view(1, tokens, 1, 70))
 
 
-@native
+@float_native
 def test_float_kernel_refuses_what_it_cannot_compute():
     with pytest.raises(RuntimeError, match="a multiple of 16 inputs, got 40"):
         torch.ops.hf_tfm.float_linear(torch.randn(2, 40), torch.randn(4, 40))
@@ -128,7 +135,7 @@ def test_float_kernel_refuses_what_it_cannot_compute():
         torch.ops.hf_tfm.float_linear(torch.randn(2, 48, dtype=torch.float64), torch.randn(4, 48))
 
 
-@native
+@float_native
 @pytest.mark.parametrize("bias", [False, True])
 def test_streaming_linear_calls_the_float_kernel_for_a_few_tokens(bias):
     """2 to STREAMING_TOKENS["float kernel"] tokens take the kernel, eagerly and compiled (one graph, the same
@@ -268,6 +275,55 @@ def test_decode_attention_leaves_out_the_static_cache_slots_a_prompt_does_not_at
     kept = _attended_keys(query, key, value, mask, options["position_bias"])
     assert kept[0].shape[2] == start + queries and (kept[2] is None) is (case == "causal"), case
     assert "aten._scaled_dot_product_flash_attention_for_cpu" in called or case != "causal", called
+
+
+AVX512_VNNI = torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported()
+
+
+@native
+def test_the_build_has_the_operators_of_the_cpus_instruction_set():
+    """AVX-512 VNNI builds both kernels; AVX2 (or HF_TFM_NATIVE_KERNELS=avx2) the integer one alone, and the float
+    layers keep oneDNN's and Inductor's products."""
+    avx2 = os.environ.get("HF_TFM_NATIVE_KERNELS") == "avx2" or not AVX512_VNNI
+    assert built_operators() == ({"int_linear"} if avx2 else {"int_linear", "float_linear"})
+    assert StreamingLinear.from_linear(nn.Linear(64, 8)).native is not avx2
+
+
+@native
+@pytest.mark.skipif(float_kernel_available(), reason="the AVX-512 VNNI build takes every prompt")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_avx2_build_hands_a_long_prompt_to_onednn(bits):
+    """Past STREAMING_TOKENS["int kernel, AVX2"] tokens an integer layer multiplies eagerly with its dequantized
+    weights on oneDNN (the dequantized product's floats, bias included); up to it, and compiled, with the kernel."""
+    torch.manual_seed(0)
+    q = Int8StreamingLinear.from_linear(nn.Linear(128, 48), bits=bits)
+    assert q.prompts_dequantized
+    limit = STREAMING_TOKENS["int kernel, AVX2"]
+    for tokens, onednn in [(limit, False), (limit + 1, True)]:
+        x = torch.randn(tokens, 128)
+        with torch.no_grad(), CalledOps() as called:
+            y = q(x)
+        assert ("mkldnn._linear_pointwise" in called) is onednn and ("hf_tfm.int_linear" in called) is not onednn
+        expected = x.double() @ q.dequantized(torch.float64).T + q.bias.double()
+        torch.testing.assert_close(y.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+    x = torch.randn(limit + 1, 128)
+    with torch.no_grad():  # compiled: the kernel's floats
+        assert torch.equal(
+            compiled_in_one_graph(q, x), torch.ops.hf_tfm.int_linear(x, q.weight, q.weight_scale, bits) + q.bias
+        )
+
+
+@pytest.mark.skipif(not AVX512_VNNI, reason="without AVX-512 VNNI the default build is the AVX2 one: the tests above")
+def test_the_avx2_build_computes_the_same_arithmetic():
+    """The integer kernel's AVX2 build, forced where AVX-512 VNNI is there: this file's integer tests pass on it."""
+    tests = (
+        "(computes_its_arithmetic or overflow or refuses or layers_call or q4_compiled or operators or long_prompt)"
+        " and not float"
+    )
+    env = {**os.environ, "HF_TFM_NATIVE_KERNELS": "avx2"}
+    command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", tests]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and " skipped" not in done.stdout, done.stdout[-4000:]
 
 
 def test_kernel_can_be_turned_off():

@@ -373,7 +373,7 @@ class CompiledDecodeStep:
         dims = {"cache_length": (2, self._max_length())} | ({"tokens": (2, VERIFY_TOKENS)} if new else {})
         return {
             "module": _meta_copy(_Step(self.model).eval()),
-            "setup": [register_decode_attention, kernels.native_kernels_available],  # what the step calls
+            "setup": [register_decode_attention, kernels.built_operators],  # what the step calls
             "inputs": [((batch, tokens), torch.int64)] * 2 + [((batch, tokens, SAMPLE_LENGTH), torch.bool)]
             + layer * config.num_hidden_layers,
             "dims": dims,

@@ -6,18 +6,19 @@ torch's extension builder): `torch.ops.hf_tfm.int_linear` (inference/csrc/int_li
 (out, in)) or int4 weights packed two to a byte (`bits=4`, (out, in / 2), `pack_int4`), each with a float32 scale
 per group of inputs (`scale` (out, groups); a group is a multiple of 64 inputs, at most 4096). Each token's inputs
 are rounded to int16 with a scale per group (a relative error of 2^-16: the weights' rounding is the only loss, where
-llama.cpp's int8 inputs add their own), so the product runs on AVX-512 VNNI's integer dot products and reads the
-weights at the memory's streaming rate. It is a registered operator with a fake (shape) implementation:
-`torch.compile` calls it from the compiled step without a graph break.
+llama.cpp's int8 inputs add their own), so the product runs on integer multiply-adds of int16 pairs (AVX-512 VNNI's,
+else AVX2's) and reads the weights at the memory's streaming rate. It is a registered operator with a fake (shape)
+implementation: `torch.compile` calls it from the compiled step without a graph break.
 
 `float_linear(x, weight)` multiplies a few tokens (a batch decoding together, a short prompt) by float32 weights
 (out, in), `in` a multiple of 16, reading each weight from memory once for all of them. MKL's GEMM, made for more
 tokens, read the bench's base-shape matrices at half the rate on this project's AMD EPYC (8 tokens: 41 ms, against 22
 here; 32 tokens: 67 against 52). `StreamingLinear` calls it for 2 to 32 tokens.
 
-They need AVX-512 with VNNI and a C++ compiler; where either is missing, or `HF_TFM_NATIVE_KERNELS=0`,
-`native_kernels_available()` is False: `Int8StreamingLinear` keeps its compiled float formula and `StreamingLinear`
-MKL's product.
+They need a C++ compiler, and `int_linear` AVX2 or AVX-512 VNNI, `float_linear` AVX-512 VNNI. Where one is missing,
+or `HF_TFM_NATIVE_KERNELS=0`, `native_kernels_available()` (`int_linear`) or `float_kernel_available()` is False:
+`Int8StreamingLinear` keeps its compiled float formula and `StreamingLinear` MKL's product.
+`HF_TFM_NATIVE_KERNELS=avx2` builds the integer kernel's AVX2 code on a CPU with AVX-512 (the tests compare both).
 """
 
 import functools
@@ -30,7 +31,7 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("int_linear.cpp", "float_linear.cpp")]
+CSRC = Path(__file__).with_name("csrc")
 GROUP_MULTIPLE = 64  # inputs: a scale group of the kernel is a multiple of this
 GROUP_LIMIT = 4096  # inputs: and at most this many (its int32 sums would overflow past about 8192)
 
@@ -45,41 +46,65 @@ def cpu_fingerprint() -> str:
     return next((line for line in lines if line.startswith("flags")), "")
 
 
+def _operators() -> tuple[str, ...]:
+    """The operators this CPU's instruction set takes: both with AVX-512 VNNI, the integer one alone with AVX2 (or
+    where `HF_TFM_NATIVE_KERNELS=avx2` asks for the AVX2 build), none where `HF_TFM_NATIVE_KERNELS=0`."""
+    choice = os.environ.get("HF_TFM_NATIVE_KERNELS", "1")
+    if choice == "0":
+        return ()
+    if choice != "avx2" and torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported():
+        return ("int_linear", "float_linear")
+    return ("int_linear",) if torch.cpu._is_avx2_supported() else ()
+
+
 @functools.cache
-def native_kernels_available() -> bool:
-    """Whether `torch.ops.hf_tfm.int_linear` and `float_linear` are there, building them on the first call; False
-    (with a warning when the build fails) where the CPU lacks AVX-512 VNNI, `HF_TFM_NATIVE_KERNELS=0`, or there is
-    no C++ compiler."""
-    if os.environ.get("HF_TFM_NATIVE_KERNELS", "1") == "0":
-        return False
-    if not (torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported()):
-        return False
+def built_operators() -> frozenset[str]:
+    """The `torch.ops.hf_tfm` operators there are (`_operators`), building them on the first call: `int_linear` on a
+    CPU with AVX-512 VNNI or AVX2, `float_linear` with AVX-512 VNNI; none (with a warning when the build fails) where
+    `HF_TFM_NATIVE_KERNELS=0` or there is no C++ compiler."""
+    operators = _operators()
+    if not operators:
+        return frozenset()
     from torch.utils.cpp_extension import load
 
-    sources = b"".join(source.read_bytes() for source in SOURCES)
-    digest = hashlib.sha256(sources + cpu_fingerprint().encode() + torch.__version__.encode())
+    sources = [CSRC / f"{name}.cpp" for name in operators]
+    # OpenMP: at::parallel_for splits the rows between torch's threads only when compiled with it
+    flags = ["-O3", "-march=native", "-fopenmp", *(["-mno-avx512f"] if "float_linear" not in operators else [])]
+    code = b"".join(source.read_bytes() for source in sources)
+    digest = hashlib.sha256(code + " ".join(flags).encode() + cpu_fingerprint().encode() + torch.__version__.encode())
     try:
         load(
             name=f"hf_tfm_kernels_{digest.hexdigest()[:12]}",
-            sources=[str(source) for source in SOURCES],
-            # OpenMP: at::parallel_for splits the rows between torch's threads only when compiled with it
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            sources=[str(source) for source in sources],
+            extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )
     except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, a failed build
         logger.warning("hf_tfm's CPU kernels could not be built (%s): decoding uses slower formulas", error)
-        return False
+        return frozenset()
 
     @torch.library.register_fake("hf_tfm::int_linear")
     def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
-    @torch.library.register_fake("hf_tfm::float_linear")
-    def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return x.new_empty(*x.shape[:-1], weight.shape[0])
+    if "float_linear" in operators:
 
-    return True
+        @torch.library.register_fake("hf_tfm::float_linear")
+        def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    return frozenset(operators)
+
+
+def native_kernels_available() -> bool:
+    """Whether `torch.ops.hf_tfm.int_linear`, the integer kernel, is there (`built_operators`)."""
+    return "int_linear" in built_operators()
+
+
+def float_kernel_available() -> bool:
+    """Whether `torch.ops.hf_tfm.float_linear` is there (`built_operators`: AVX-512 VNNI)."""
+    return "float_linear" in built_operators()
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
@@ -98,4 +123,13 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return (nibbles.to(torch.int8) - 8).reshape(out, half * 2)
 
 
-__all__ = ["GROUP_LIMIT", "GROUP_MULTIPLE", "cpu_fingerprint", "native_kernels_available", "pack_int4", "unpack_int4"]
+__all__ = [
+    "GROUP_LIMIT",
+    "GROUP_MULTIPLE",
+    "built_operators",
+    "cpu_fingerprint",
+    "float_kernel_available",
+    "native_kernels_available",
+    "pack_int4",
+    "unpack_int4",
+]

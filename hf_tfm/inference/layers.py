@@ -7,7 +7,7 @@ GB/s on this project's 2-core machines, where Inductor's own code for the same p
 read them at 22-27 GB/s (docs/performance.md). So the compiled step swaps every plain `nn.Linear` for
 `StreamingLinear`, the same module with that formula for one token and hf_tfm's float kernel for a few (a batch
 decoding together); and `quantize="q8"` / "q4" store int8 / int4 weights with a scale per group of inputs
-(`Int8StreamingLinear`), multiplied by hf_tfm's own AVX-512 VNNI kernel: a quarter / an eighth of fp32's bytes, no
+(`Int8StreamingLinear`), multiplied by hf_tfm's own integer kernel: a quarter / an eighth of fp32's bytes, no
 dequantized copy. Both kernels are in `hf_tfm.inference.kernels`.
 """
 
@@ -25,7 +25,11 @@ from .kernels import GROUP_LIMIT, GROUP_MULTIPLE, pack_int4, unpack_int4
 # bench's base shape: fp32 streaming beat MKL at one token only (8 tokens: 55 vs 49 ms a step); int8 streaming beat
 # dequantize-then-GEMM up to 8 tokens (43 vs 101 ms). "float kernel": up to this many tokens a float32 layer takes
 # hf_tfm's native kernel instead of MKL (on the base shape's matrices: 8 tokens 22 vs 41 ms, 32 tokens 52 vs 67).
-STREAMING_TOKENS = {"float": 1, "int8": 8, "float kernel": 32}
+# "int kernel, AVX2": up to this many tokens an integer layer takes the integer kernel's AVX2 build; past it, the
+# dequantized weights and oneDNN's float32 product, whose FMAs outrun AVX2's int16 multiply-adds on a long prompt (a
+# 2304 x 768 int8 layer, 2 threads of an AVX2 EPYC: 128 tokens 10.6 vs 9.8 ms, 512 tokens 28.5 vs 20.6). The
+# AVX-512 VNNI build stays ahead to 512 tokens at least, so it takes every prompt.
+STREAMING_TOKENS = {"float": 1, "int8": 8, "float kernel": 32, "int kernel, AVX2": 256}
 # oneDNN (torch's MKL-DNN) is built into torch's CPU wheels; its float32 product takes the prompts
 ONEDNN = torch.backends.mkldnn.is_available()
 
@@ -60,7 +64,7 @@ class StreamingLinear(nn.Linear):
         """`linear` itself, its class swapped (its parameters, hooks and name unchanged)."""
         linear.__class__ = cls
         # Decided here, not in forward: a compiled step would graph-break on the kernel's build
-        linear.native = linear.in_features % 16 == 0 and kernels.native_kernels_available()
+        linear.native = linear.in_features % 16 == 0 and kernels.float_kernel_available()
         return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,13 +110,13 @@ class Int8StreamingLinear(nn.Module):
     128 inputs, the bytes of llama.cpp's Q8_0) and q4 (`from_linear(bits=4)`), and a GPTQ / AWQ checkpoint's int4 or
     int8 values (`from_compressed`).
 
-    On a CPU with float32 inputs it calls hf_tfm's native kernel (`hf_tfm.inference.kernels`: AVX-512 VNNI integer
-    dot products, each token's inputs rounded to int16 per group), eagerly and compiled, for a step and a prompt alike
-    (faster than dequantizing up to 512 tokens at least: 11 vs 14 ms for a 2048 x 768 int4 layer); int4 weights are
-    then packed two to a byte (`weight` (out, in / 2) uint8, `bits == 4`). Without that kernel
-    (another CPU or device, other inputs, groups that are not multiples of 64), int4 values stay one to a byte
-    (`bits == 8`), the compiled step streams up to 8 tokens with a formula Inductor fuses, and more take the
-    dequantized matrix product.
+    On a CPU with float32 inputs it calls hf_tfm's native kernel (`hf_tfm.inference.kernels`: AVX-512 VNNI's or AVX2's
+    integer multiply-adds, each token's inputs rounded to int16 per group), eagerly and compiled, for a step and a
+    prompt alike (faster than dequantizing up to 512 tokens at least: 11 vs 14 ms for a 2048 x 768 int4 layer with
+    AVX-512 VNNI; the AVX2 build hands prompts past `STREAMING_TOKENS["int kernel, AVX2"]` to oneDNN); int4 weights are
+    then packed two to a byte (`weight` (out, in / 2) uint8, `bits == 4`). Without that kernel (another CPU or device,
+    other inputs, groups that are not multiples of 64), int4 values stay one to a byte (`bits == 8`), the compiled step
+    streams up to 8 tokens with a formula Inductor fuses, and more take the dequantized matrix product.
 
     Decoding only: its state dict cannot be saved (a checkpoint keeps the float or compressed-tensors weights, and
     `load_for_inference` converts them while loading)."""
@@ -131,6 +135,8 @@ class Int8StreamingLinear(nn.Module):
         if native and in_units // groups > GROUP_LIMIT:  # one scale per row of many inputs: the same scale per 64
             scale = scale.repeat_interleave(in_units // groups // GROUP_MULTIPLE, dim=1)
         self.native, self.in_features = native, in_units
+        # Long prompts take oneDNN's float32 product (see STREAMING_TOKENS) where the kernel is the AVX2 build
+        self.prompts_dequantized = native and ONEDNN and not kernels.float_kernel_available()
         # Storage: int4 values packed two to a byte (without loss) for the kernel, else a byte each
         int4 = bool(weight.min() >= -8) and bool(weight.max() <= 7)
         self.bits = 4 if native and int4 and in_units % 64 == 0 else 8
@@ -175,16 +181,31 @@ class Int8StreamingLinear(nn.Module):
         """The int8 values (out, in), unpacked."""
         return unpack_int4(self.weight) if self.bits == 4 else self.weight
 
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The float weights (out, in): each integer times its row's or its group's scale."""
+        scale = self.weight_scale.to(dtype)  # (out, groups)
+        return (self.integers().unflatten(-1, (scale.shape[1], -1)) * scale[..., None]).flatten(-2)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native and x.dtype == torch.float32 and x.device.type == "cpu":
+            if self.prompts_dequantized and self._long_prompt(x):
+                return torch.ops.mkldnn._linear_pointwise(x, self.dequantized(x.dtype), self.bias, "none", [], "")
             y = torch.ops.hf_tfm.int_linear(x, self.weight, self.weight_scale, self.bits)
             return y if self.bias is None else y + self.bias
-        scale = self.weight_scale.to(x.dtype)  # (out, groups): each weight times its row's or its group's scale
-        weight = (self.integers().unflatten(-1, (scale.shape[1], -1)) * scale[..., None]).flatten(-2)  # (out, in)
+        weight = self.dequantized(x.dtype)
         # Streamed, Inductor fuses the scaling into its loop and reads 1 byte a weight; else a dequantized product
         streams = _streams(x, STREAMING_TOKENS["int8"])
         y = (x.unsqueeze(-2) * weight).sum(-1) if streams else F.linear(x, weight)  # (..., 1, in) * (out, in)
         return y if self.bias is None else y + self.bias
+
+    def _long_prompt(self, x: torch.Tensor) -> bool:
+        # Eager and without gradient only: oneDNN's op has none, and a compiled step keeps the kernel for every token
+        # count it was traced for
+        return (
+            not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and x.requires_grad)
+            and _tokens(x) > STREAMING_TOKENS["int kernel, AVX2"]
+        )
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:  # torch.save, save_pretrained, PEFT
         raise NotImplementedError(

@@ -58,7 +58,7 @@ class QuantizeSetting:
     def requirement(self) -> str:
         """What the setting needs to run at its speed, in words."""
         if self.native:
-            return "hf_tfm's native kernel: a CPU with AVX-512 VNNI and a C++ compiler"
+            return "hf_tfm's native kernel: a CPU with AVX-512 VNNI or AVX2, and a C++ compiler"
         return f"pip install '{self.pip_spec}'"
 
     def available(self) -> bool:
@@ -144,7 +144,7 @@ def _nf4(config: "PretrainedConfig") -> "QuantizationConfigMixin":
 SETTINGS: dict[str, QuantizeSetting] = {
     "q8": QuantizeSetting(
         "q8",
-        "hf_tfm int8 weights with a scale per 128 inputs, lm_head too, on hf_tfm's AVX-512 VNNI kernel (quantized "
+        "hf_tfm int8 weights with a scale per 128 inputs, lm_head too, on hf_tfm's integer kernel (quantized "
         "while loading, not saveable)",
         bits=8,
     ),

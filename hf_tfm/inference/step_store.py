@@ -4,8 +4,9 @@ An entry is a folder `<root>/steps/<key>/` holding an AOTInductor package, `step
 the model's tensors where they are, so one entry serves every checkpoint of the same layout), and `entry.json` (the
 package's SHA-256 and what it was compiled for). The key hashes everything that makes a library valid for a model:
 its module classes and their settings, every tensor's name, shape, dtype and stride, its config, the step's kind and
-batch size, the thread count, the CPU's instruction set, and the versions of torch, transformers and hf_tfm's code.
-Anything else is a new key: a stale entry is never found, a damaged one is removed and rebuilt.
+batch size, the thread count, the CPU's instruction set and the native kernels built for it, and the versions of torch,
+transformers and hf_tfm's code. Anything else is a new key: a stale entry is never found, a damaged one is removed and
+rebuilt.
 
 The root is `$HF_TFM_CACHE`, else `$XDG_CACHE_HOME/hf_tfm`, else `~/.cache/hf_tfm`. Entries are written whole by the
 compiling program (`hf_tfm/programs/compile_step.py`): a reader finds an entry complete or not at all.
@@ -87,6 +88,7 @@ def fingerprint(model: nn.Module, kind: str, batch: int, threads: int, options: 
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "code": [_package_digest(), *_class_sources(model)],
         "cpu": kernels.cpu_fingerprint(),
+        "kernels": sorted(kernels.built_operators()),  # the step calls them (HF_TFM_NATIVE_KERNELS may change them)
         "config": config,
         "modules": [
             [name, f"{type(module).__module__}.{type(module).__qualname__}", module.extra_repr()]
