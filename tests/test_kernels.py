@@ -22,6 +22,7 @@ from hf_tfm.inference.kernels import (
     float_kernel_available,
     native_kernels_available,
     pack_int4,
+    rounded_input_bits,
     unpack_int4,
 )
 from hf_tfm.inference.layers import ONEDNN, STREAMING_TOKENS, Int8StreamingLinear, StreamingLinear
@@ -30,16 +31,17 @@ native = pytest.mark.skipif(not native_kernels_available(), reason="needs AVX2 o
 float_native = pytest.mark.skipif(not float_kernel_available(), reason="needs AVX-512 VNNI and a C++ compiler")
 
 
-def reference(x: torch.Tensor, integers: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The kernel's arithmetic in float64: each token's inputs rounded to int16 with a scale per group (its largest
-    magnitude / 32767, ties to even), integer products summed per group, times both scales."""
-    groups = scale.shape[1]
-    xg = x.double().unflatten(-1, (groups, -1))  # (T, G, group)
-    xs = xg.abs().amax(-1, keepdim=True) / 32767
-    xq = torch.round(xg / torch.where(xs > 0, xs, 1))
+def reference(x: torch.Tensor, integers: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """The kernel's arithmetic for `bits`-bit weights in float64: each token's inputs rounded to integers of
+    `rounded_input_bits(bits)` with a scale per group (the inputs times largest / their largest magnitude, in float32,
+    to the nearest, ties to even), integer products summed per group, times both scales."""
+    groups, largest = scale.shape[1], 2 ** (rounded_input_bits(bits) - 1) - 1
+    xg = x.float().unflatten(-1, (groups, -1))  # (T, G, group)
+    amax = xg.abs().amax(-1, keepdim=True)
+    xq = torch.round(xg * torch.where(amax > 0, largest / amax, 0)).double()
     wg = integers.double().unflatten(-1, (groups, -1))  # (N, G, group)
     sums = torch.einsum("tgk,ngk->tng", xq, wg)
-    return (sums * xs[..., 0][:, None, :] * scale.double()[None]).sum(-1)
+    return (sums * (amax.double() / largest)[..., 0][:, None, :] * scale.double()[None]).sum(-1)
 
 
 @native
@@ -57,7 +59,7 @@ def test_kernel_computes_its_arithmetic(bits, tokens, groups):
     x[0, :64] = 0  # a group of zeros: its scale is 0 and nothing may divide by it
     weight = pack_int4(integers) if bits == 4 else integers
     y = torch.ops.hf_tfm.int_linear(x, weight, scale, bits)
-    expected = reference(x, integers, scale)
+    expected = reference(x, integers, scale, bits)
     assert y.dtype == torch.float32 and y.shape == (tokens, 70)
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
@@ -195,8 +197,8 @@ def test_int4_packing_round_trips():
 @native
 @pytest.mark.parametrize("bits", [8, 4])
 def test_layers_call_the_kernel_eagerly_and_compiled(bits):
-    """A layer calls the kernel for any number of tokens, eagerly and compiled (one graph, the same floats), within
-    the inputs' int16 rounding of the dequantized product of the same integers."""
+    """A layer calls the kernel for any number of tokens, eagerly and compiled (one graph, the same floats): the
+    kernel's arithmetic, within the inputs' rounding (half a step a weight) of the dequantized product."""
     torch.manual_seed(0)
     layer = nn.Linear(256, 96)
     q = Int8StreamingLinear.from_linear(layer, bits=bits)
@@ -211,7 +213,10 @@ def test_layers_call_the_kernel_eagerly_and_compiled(bits):
         many = q(torch.cat([x, torch.randn(30, 256)]))[:3]  # a prompt's worth: each token on its own
         exact = nn.functional.linear(x, dequantized, layer.bias)
     assert torch.equal(eager, compiled) and torch.equal(eager, many)
-    torch.testing.assert_close(eager, exact, rtol=0, atol=1e-4 * exact.abs().max().item())
+    expected = reference(x, q.integers(), q.weight_scale, bits) + layer.bias.double()
+    torch.testing.assert_close(eager.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    step = x.abs().amax(1, keepdim=True) / (2 ** (rounded_input_bits(bits) - 1) - 1)  # the coarsest group's
+    assert ((eager - exact).abs() <= step / 2 * dequantized.abs().sum(1) + 1e-5).all()
 
 
 @native

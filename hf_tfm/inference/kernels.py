@@ -5,10 +5,12 @@ torch's extension builder): `torch.ops.hf_tfm.int_linear` (inference/csrc/int_li
 `int_linear(x, weight, scale, bits)` multiplies a few tokens `x` (..., in) in float32 by int8 weights (`bits=8`,
 (out, in)) or int4 weights packed two to a byte (`bits=4`, (out, in / 2), `pack_int4`), each with a float32 scale
 per group of inputs (`scale` (out, groups); a group is a multiple of 64 inputs, at most 4096). Each token's inputs
-are rounded to int16 with a scale per group (a relative error of 2^-16: the weights' rounding is the only loss, where
-llama.cpp's int8 inputs add their own), so the product runs on integer multiply-adds of int16 pairs (AVX-512 VNNI's,
-else AVX2's) and reads the weights at the memory's streaming rate. It is a registered operator with a fake (shape)
-implementation: `torch.compile` calls it from the compiled step without a graph break.
+are rounded to integers with a scale per group (`rounded_input_bits`): to int16 for int8 weights (a relative error of
+2^-16: the weights' rounding is the only loss), and for int4 weights on AVX2; to int8 for int4 weights on AVX-512
+VNNI, as llama.cpp rounds them for its Q4_0 weights, whose 8-bit products run twice as many a second. Integer
+multiply-adds take the products, and one token's product reads the weights at the memory's streaming rate. It is a
+registered operator with a fake (shape) implementation: `torch.compile` calls it from the compiled step without a
+graph break.
 
 `float_linear(x, weight)` multiplies a few tokens (a batch decoding together, a short prompt) by float32 weights
 (out, in), `in` a multiple of 16, reading each weight from memory once for all of them. MKL's GEMM, made for more
@@ -107,6 +109,12 @@ def float_kernel_available() -> bool:
     return "float_linear" in built_operators()
 
 
+def rounded_input_bits(bits: int) -> int:
+    """The integers `int_linear(bits=bits)` rounds each token's inputs to in this build (`built_operators`): 8 for int4
+    weights on AVX-512 VNNI (`vpdpbusd`'s unsigned-by-signed bytes), else 16."""
+    return 8 if bits == 4 and "float_linear" in built_operators() else 16  # float_linear: the AVX-512 VNNI build
+
+
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
     """int4 values (out, in) in [-8, 7], `in` a multiple of 64, packed two to a byte as `int_linear(bits=4)` reads
     them: in each run of 64 inputs, byte j holds input j + 8 in its low nibble and input j + 32 + 8 in its high one."""
@@ -131,5 +139,6 @@ __all__ = [
     "float_kernel_available",
     "native_kernels_available",
     "pack_int4",
+    "rounded_input_bits",
     "unpack_int4",
 ]

@@ -111,9 +111,9 @@ class Int8StreamingLinear(nn.Module):
     int8 values (`from_compressed`).
 
     On a CPU with float32 inputs it calls hf_tfm's native kernel (`hf_tfm.inference.kernels`: AVX-512 VNNI's or AVX2's
-    integer multiply-adds, each token's inputs rounded to int16 per group), eagerly and compiled, for a step and a
-    prompt alike (faster than dequantizing up to 512 tokens at least: 11 vs 14 ms for a 2048 x 768 int4 layer with
-    AVX-512 VNNI; the AVX2 build hands prompts past `STREAMING_TOKENS["int kernel, AVX2"]` to oneDNN); int4 weights are
+    integer multiply-adds, each token's inputs rounded per group to `kernels.rounded_input_bits`), eagerly and
+    compiled, for a step and a prompt alike (faster than dequantizing up to 512 tokens at least with AVX-512 VNNI; the
+    AVX2 build hands prompts past `STREAMING_TOKENS["int kernel, AVX2"]` to oneDNN); int4 weights are
     then packed two to a byte (`weight` (out, in / 2) uint8, `bits == 4`). Without that kernel (another CPU or device,
     other inputs, groups that are not multiples of 64), int4 values stay one to a byte (`bits == 8`), the compiled step
     streams up to 8 tokens with a formula Inductor fuses, and more take the dequantized matrix product.
