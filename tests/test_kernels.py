@@ -20,9 +20,9 @@ from hf_tfm.inference.attention import _attended_keys, decode_attention
 from hf_tfm.inference.kernels import (
     built_operators,
     float_kernel_available,
+    int8_inputs_available,
     native_kernels_available,
     pack_int4,
-    rounded_input_bits,
     unpack_int4,
 )
 from hf_tfm.inference.layers import ONEDNN, STREAMING_TOKENS, Int8StreamingLinear, StreamingLinear
@@ -31,11 +31,11 @@ native = pytest.mark.skipif(not native_kernels_available(), reason="needs AVX2 o
 float_native = pytest.mark.skipif(not float_kernel_available(), reason="needs AVX-512 VNNI and a C++ compiler")
 
 
-def reference(x: torch.Tensor, integers: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
-    """The kernel's arithmetic for `bits`-bit weights in float64: each token's inputs rounded to integers of
-    `rounded_input_bits(bits)` with a scale per group (the inputs times largest / their largest magnitude, in float32,
-    to the nearest, ties to even), integer products summed per group, times both scales."""
-    groups, largest = scale.shape[1], 2 ** (rounded_input_bits(bits) - 1) - 1
+def reference(x: torch.Tensor, integers: torch.Tensor, scale: torch.Tensor, input_bits: int = 16) -> torch.Tensor:
+    """The kernel's arithmetic in float64: each token's inputs rounded to integers of `input_bits` with a scale per
+    group (the inputs times largest / their largest magnitude, in float32, to the nearest, ties to even), integer
+    products summed per group, times both scales."""
+    groups, largest = scale.shape[1], 2 ** (input_bits - 1) - 1
     xg = x.float().unflatten(-1, (groups, -1))  # (T, G, group)
     amax = xg.abs().amax(-1, keepdim=True)
     xq = torch.round(xg * torch.where(amax > 0, largest / amax, 0)).double()
@@ -44,11 +44,21 @@ def reference(x: torch.Tensor, integers: torch.Tensor, scale: torch.Tensor, bits
     return (sums * (amax.double() / largest)[..., 0][:, None, :] * scale.double()[None]).sum(-1)
 
 
+int8_inputs = pytest.mark.skipif(not int8_inputs_available(), reason="8-bit inputs need AVX-512 VNNI")
+
+
 @native
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(
+    "bits, input_bits",
+    [
+        pytest.param(8, 16, id="int8"),
+        pytest.param(4, 16, id="int4"),
+        pytest.param(4, 8, marks=int8_inputs, id="int4_by_int8"),
+    ],
+)
 @pytest.mark.parametrize("tokens", [1, 2, 3, 8, 13])
 @pytest.mark.parametrize("groups", [1, 3])
-def test_kernel_computes_its_arithmetic(bits, tokens, groups):
+def test_kernel_computes_its_arithmetic(bits, input_bits, tokens, groups):
     """Every row count (70: a remainder past the blocks of 4 rows), token count (pairs and a last one) and group
     layout gives the reference's sums to float32 rounding, whatever the inputs' scale (a zero token included)."""
     torch.manual_seed(bits * 100 + tokens)
@@ -58,8 +68,8 @@ def test_kernel_computes_its_arithmetic(bits, tokens, groups):
     x = torch.randn(tokens, inputs) * torch.logspace(-3, 3, tokens)[:, None]
     x[0, :64] = 0  # a group of zeros: its scale is 0 and nothing may divide by it
     weight = pack_int4(integers) if bits == 4 else integers
-    y = torch.ops.hf_tfm.int_linear(x, weight, scale, bits)
-    expected = reference(x, integers, scale, bits)
+    y = torch.ops.hf_tfm.int_linear(x, weight, scale, bits, input_bits)
+    expected = reference(x, integers, scale, input_bits)
     assert y.dtype == torch.float32 and y.shape == (tokens, 70)
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
@@ -88,6 +98,8 @@ def test_kernel_refuses_what_it_cannot_compute():
         torch.ops.hf_tfm.int_linear(torch.randn(1, 8192), torch.zeros(4, 8192, dtype=torch.int8), scale[:, :1], 8)
     with pytest.raises(RuntimeError, match="float32 inputs"):
         torch.ops.hf_tfm.int_linear(x.double(), torch.zeros(4, 128, dtype=torch.int8), scale, 8)
+    with pytest.raises(RuntimeError, match="input_bits must be 16"):  # int8 weights by int8 inputs: no such product
+        torch.ops.hf_tfm.int_linear(x, torch.zeros(4, 128, dtype=torch.int8), scale, 8, 8)
 
 
 def compiled_in_one_graph(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -205,6 +217,9 @@ def test_layers_call_the_kernel_eagerly_and_compiled(bits):
     assert q.native and q.bits == bits and q.weight_scale.shape == (96, 2)
     assert q.weight.shape == ((96, 128) if bits == 4 else (96, 256))
     assert q.integers().abs().max() == (127 if bits == 8 else 8)
+    # q4 rounds its inputs to 8 bits where the kernel takes them; a W4A16 checkpoint's layers keep 16
+    assert q.input_bits == (8 if bits == 4 and int8_inputs_available() else 16)
+    assert Int8StreamingLinear(q.integers(), q.weight_scale, None).input_bits == 16
     x = torch.randn(3, 256)
     dequantized = q.integers().float().unflatten(1, (2, 128)).mul(q.weight_scale[..., None]).flatten(1)
     with torch.no_grad():
@@ -213,9 +228,9 @@ def test_layers_call_the_kernel_eagerly_and_compiled(bits):
         many = q(torch.cat([x, torch.randn(30, 256)]))[:3]  # a prompt's worth: each token on its own
         exact = nn.functional.linear(x, dequantized, layer.bias)
     assert torch.equal(eager, compiled) and torch.equal(eager, many)
-    expected = reference(x, q.integers(), q.weight_scale, bits) + layer.bias.double()
+    expected = reference(x, q.integers(), q.weight_scale, q.input_bits) + layer.bias.double()
     torch.testing.assert_close(eager.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    step = x.abs().amax(1, keepdim=True) / (2 ** (rounded_input_bits(bits) - 1) - 1)  # the coarsest group's
+    step = x.abs().amax(1, keepdim=True) / (2 ** (q.input_bits - 1) - 1)  # the coarsest group's
     assert ((eager - exact).abs() <= step / 2 * dequantized.abs().sum(1) + 1e-5).all()
 
 
@@ -314,7 +329,8 @@ def test_the_avx2_build_hands_a_long_prompt_to_onednn(bits):
     x = torch.randn(limit + 1, 128)
     with torch.no_grad():  # compiled: the kernel's floats
         assert torch.equal(
-            compiled_in_one_graph(q, x), torch.ops.hf_tfm.int_linear(x, q.weight, q.weight_scale, bits) + q.bias
+            compiled_in_one_graph(q, x),
+            torch.ops.hf_tfm.int_linear(x, q.weight, q.weight_scale, bits, q.input_bits) + q.bias,
         )
 
 
@@ -323,7 +339,7 @@ def test_the_avx2_build_computes_the_same_arithmetic():
     """The integer kernel's AVX2 build, forced where AVX-512 VNNI is there: this file's integer tests pass on it."""
     tests = (
         "(computes_its_arithmetic or overflow or refuses or layers_call or q4_compiled or operators or long_prompt)"
-        " and not float"
+        " and not float and not int4_by_int8"  # AVX-512 VNNI's alone
     )
     env = {**os.environ, "HF_TFM_NATIVE_KERNELS": "avx2"}
     command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", tests]

@@ -2,15 +2,15 @@
 torch's extension builder): `torch.ops.hf_tfm.int_linear` (inference/csrc/int_linear.cpp) for integer weights, and
 `torch.ops.hf_tfm.float_linear` (inference/csrc/float_linear.cpp) for float32 weights and a few tokens.
 
-`int_linear(x, weight, scale, bits)` multiplies a few tokens `x` (..., in) in float32 by int8 weights (`bits=8`,
-(out, in)) or int4 weights packed two to a byte (`bits=4`, (out, in / 2), `pack_int4`), each with a float32 scale
-per group of inputs (`scale` (out, groups); a group is a multiple of 64 inputs, at most 4096). Each token's inputs
-are rounded to integers with a scale per group (`rounded_input_bits`): to int16 for int8 weights (a relative error of
-2^-16: the weights' rounding is the only loss), and for int4 weights on AVX2; to int8 for int4 weights on AVX-512
-VNNI, as llama.cpp rounds them for its Q4_0 weights, whose 8-bit products run twice as many a second. Integer
-multiply-adds take the products, and one token's product reads the weights at the memory's streaming rate. It is a
-registered operator with a fake (shape) implementation: `torch.compile` calls it from the compiled step without a
-graph break.
+`int_linear(x, weight, scale, bits, input_bits=16)` multiplies a few tokens `x` (..., in) in float32 by int8 weights
+(`bits=8`, (out, in)) or int4 weights packed two to a byte (`bits=4`, (out, in / 2), `pack_int4`), each with a float32
+scale per group of inputs (`scale` (out, groups); a group is a multiple of 64 inputs, at most 4096). Each token's
+inputs are rounded to integers of `input_bits` with a scale per group: 16 (a relative error of 2^-16: the weights'
+rounding is the only loss, as GPTQ / AWQ's "W4A16" promises), or 8 for int4 weights where `int8_inputs_available()`
+(AVX-512 VNNI: hf_tfm's q4, whose inputs llama.cpp rounds the same way for its Q4_0; 8-bit products run twice as many
+an instruction). Integer multiply-adds take the products, and one token's product reads the weights at the memory's
+streaming rate. It is a registered operator with a fake (shape) implementation: `torch.compile` calls it from the
+compiled step without a graph break.
 
 `float_linear(x, weight)` multiplies a few tokens (a batch decoding together, a short prompt) by float32 weights
 (out, in), `in` a multiple of 16, reading each weight from memory once for all of them. MKL's GEMM, made for more
@@ -87,7 +87,7 @@ def built_operators() -> frozenset[str]:
         return frozenset()
 
     @torch.library.register_fake("hf_tfm::int_linear")
-    def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bits: int, input_bits: int = 16) -> torch.Tensor:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     if "float_linear" in operators:
@@ -109,10 +109,10 @@ def float_kernel_available() -> bool:
     return "float_linear" in built_operators()
 
 
-def rounded_input_bits(bits: int) -> int:
-    """The integers `int_linear(bits=bits)` rounds each token's inputs to in this build (`built_operators`): 8 for int4
-    weights on AVX-512 VNNI (`vpdpbusd`'s unsigned-by-signed bytes), else 16."""
-    return 8 if bits == 4 and "float_linear" in built_operators() else 16  # float_linear: the AVX-512 VNNI build
+def int8_inputs_available() -> bool:
+    """Whether `int_linear` takes `input_bits=8` for int4 weights (`vpdpbusd`'s unsigned-by-signed bytes): the AVX-512
+    VNNI build (`built_operators`), whose other operator is `float_linear`."""
+    return "float_linear" in built_operators()
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
@@ -137,8 +137,8 @@ __all__ = [
     "built_operators",
     "cpu_fingerprint",
     "float_kernel_available",
+    "int8_inputs_available",
     "native_kernels_available",
     "pack_int4",
-    "rounded_input_bits",
     "unpack_int4",
 ]

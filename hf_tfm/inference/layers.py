@@ -111,9 +111,10 @@ class Int8StreamingLinear(nn.Module):
     int8 values (`from_compressed`).
 
     On a CPU with float32 inputs it calls hf_tfm's native kernel (`hf_tfm.inference.kernels`: AVX-512 VNNI's or AVX2's
-    integer multiply-adds, each token's inputs rounded per group to `kernels.rounded_input_bits`), eagerly and
-    compiled, for a step and a prompt alike (faster than dequantizing up to 512 tokens at least with AVX-512 VNNI; the
-    AVX2 build hands prompts past `STREAMING_TOKENS["int kernel, AVX2"]` to oneDNN); int4 weights are
+    integer multiply-adds, each token's inputs rounded per group to `input_bits`: 8 for q4's int4 weights where the
+    kernel takes them, else 16, as a W4A16 / W8A16 checkpoint promises), eagerly and compiled, for a step and a prompt
+    alike (faster than dequantizing up to 512 tokens at least with AVX-512 VNNI; the AVX2 build hands prompts past
+    `STREAMING_TOKENS["int kernel, AVX2"]` to oneDNN); int4 weights are
     then packed two to a byte (`weight` (out, in / 2) uint8, `bits == 4`). Without that kernel (another CPU or device,
     other inputs, groups that are not multiples of 64), int4 values stay one to a byte (`bits == 8`), the compiled step
     streams up to 8 tokens with a formula Inductor fuses, and more take the dequantized matrix product.
@@ -121,8 +122,11 @@ class Int8StreamingLinear(nn.Module):
     Decoding only: its state dict cannot be saved (a checkpoint keeps the float or compressed-tensors weights, and
     `load_for_inference` converts them while loading)."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """`weight`: the integers (out, in) as int8; `scale`: (out, groups)."""
+    def __init__(
+        self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, int8_inputs: bool = False
+    ) -> None:
+        """`weight`: the integers (out, in) as int8; `scale`: (out, groups); `int8_inputs`: int4 weights' inputs
+        rounded to 8 bits where the kernel takes them (`kernels.int8_inputs_available`), as hf_tfm's q4 asks."""
         super().__init__()
         self.out_features, in_units = weight.shape
         groups = scale.shape[1]
@@ -140,6 +144,7 @@ class Int8StreamingLinear(nn.Module):
         # Storage: int4 values packed two to a byte (without loss) for the kernel, else a byte each
         int4 = bool(weight.min() >= -8) and bool(weight.max() <= 7)
         self.bits = 4 if native and int4 and in_units % 64 == 0 else 8
+        self.input_bits = 8 if int8_inputs and self.bits == 4 and kernels.int8_inputs_available() else 16
         self.register_buffer("weight", pack_int4(weight) if self.bits == 4 else weight)  # (out, in * bits / 8)
         self.register_buffer("weight_scale", scale)  # (out, groups) in the activations' dtype
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -149,14 +154,15 @@ class Int8StreamingLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, bits: int = 8) -> "Int8StreamingLinear":
         """Round `linear`'s weights to the nearest multiple of a scale per group of 128 inputs (64 where 128 does not
         divide them, else the row): int8 in -127..127 (the group's largest magnitude / 127), or int4 in -8..7 (its
-        largest magnitude / 7.5, as compressed-tensors' symmetric int4)."""
+        largest magnitude / 7.5, as compressed-tensors' symmetric int4; its inputs rounded to 8 bits where the kernel
+        takes them, as llama.cpp's Q4_0 rounds them)."""
         weight = linear.weight.float()
         grouped = weight.unflatten(1, (-1, _group_size(linear.in_features, 128)))  # (out, groups, group)
         largest = 2 ** (bits - 1) - 1
         scale = grouped.abs().amax(dim=2).clamp(min=torch.finfo(torch.float32).tiny) / (largest + (bits == 4) / 2)
         quantized = torch.round(grouped / scale[..., None]).clamp(-largest - 1, largest).flatten(1).to(torch.int8)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(quantized, scale.to(linear.weight.dtype), bias)
+        return cls(quantized, scale.to(linear.weight.dtype), bias, int8_inputs=bits == 4)
 
     @classmethod
     @torch.no_grad()
@@ -175,7 +181,8 @@ class Int8StreamingLinear(nn.Module):
         one pass (`fuse_projections`). Each output row is computed as in its own layer, to the bit."""
         bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
         scale = torch.cat([layer.weight_scale for layer in layers])
-        return cls(torch.cat([layer.integers() for layer in layers]), scale, bias)
+        integers = torch.cat([layer.integers() for layer in layers])
+        return cls(integers, scale, bias, int8_inputs=all(layer.input_bits == 8 for layer in layers))
 
     def integers(self) -> torch.Tensor:
         """The int8 values (out, in), unpacked."""
@@ -190,7 +197,7 @@ class Int8StreamingLinear(nn.Module):
         if self.native and x.dtype == torch.float32 and x.device.type == "cpu":
             if self.prompts_dequantized and self._long_prompt(x):
                 return torch.ops.mkldnn._linear_pointwise(x, self.dequantized(x.dtype), self.bias, "none", [], "")
-            y = torch.ops.hf_tfm.int_linear(x, self.weight, self.weight_scale, self.bits)
+            y = torch.ops.hf_tfm.int_linear(x, self.weight, self.weight_scale, self.bits, self.input_bits)
             return y if self.bias is None else y + self.bias
         weight = self.dequantized(x.dtype)
         # Streamed, Inductor fuses the scaling into its loop and reads 1 byte a weight; else a dequantized product
@@ -219,18 +226,19 @@ class Int8StreamingLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             + (f"groups={groups}" if groups > 1 else "scale per row")
             + f", bits={self.bits}"
-            + (", native kernel" if self.native else "")
+            + (f", native kernel, {self.input_bits}-bit inputs" if self.native else "")
         )
 
 
 def _fusable(layers: list[nn.Module]) -> bool:
-    """Whether `layers` read the same inputs the same way: integer layers with the same inputs, scale groups, storage
-    and kernel, all with a bias or none."""
+    """Whether `layers` read the same inputs the same way: integer layers with the same inputs, scale groups, storage,
+    kernel and input rounding, all with a bias or none."""
     first = layers[0]
     return all(
         type(layer) is Int8StreamingLinear
         and (layer.in_features, layer.weight_scale.shape[1], layer.weight_scale.dtype, layer.native, layer.bits)
         == (first.in_features, first.weight_scale.shape[1], first.weight_scale.dtype, first.native, first.bits)
+        and layer.input_bits == first.input_bits
         and (layer.bias is None) == (first.bias is None)
         for layer in layers
     )

@@ -4,10 +4,11 @@
 // y[t, n] = sum_g ws[n, g] * sum_{k in g} q[n, k] * x[t, k]: integer weights q with a float scale per group of
 // inputs (a multiple of 64 inputs, at most 4096). Each token's inputs are rounded to integers with a scale per group,
 // and integer multiply-adds take the products, so a weight costs a fraction of an instruction:
-// - int8 weights (and int4 ones on AVX2): inputs rounded to int16 (a relative error of 2^-16: the weights' rounding is
-//   all the quantization there is, as "W8A16" promises), weights widened to int16, AVX-512 VNNI's `vpdpwssd` (32
-//   products an instruction) or AVX2's `vpmaddwd` and an add (16);
-// - int4 weights on AVX-512 VNNI: inputs rounded to int8 (2^-8, as llama.cpp's Q8_0 inputs are for its Q4_0 weights),
+// - input_bits 16: inputs rounded to int16 (a relative error of 2^-16: the weights' rounding is all the quantization
+//   there is, as "W4A16" and "W8A16" promise), weights widened to int16, AVX-512 VNNI's `vpdpwssd` (32 products an
+//   instruction) or AVX2's `vpmaddwd` and an add (16);
+// - input_bits 8, int4 weights on AVX-512 VNNI (hf_tfm's q4): inputs rounded to int8 (2^-8, as llama.cpp's Q8_0
+//   inputs are for its Q4_0 weights),
 //   the weights' unsigned nibbles as they are stored, `vpdpbusd` (64 products an instruction, with nothing to widen):
 //   a prompt or a verify step of several tokens, bound by the products where one token waits on memory, runs 1.4x
 //   the products a second of the 16-bit ones (200 against 140 GMAC/s on 2 Zen 4 cores, TinyLlama's 2048 x 5632;
@@ -240,8 +241,15 @@ void multiply(const float* xf, int64_t T, int64_t K, const uint8_t* w, const flo
   product<P>(xq.data(), xs.data(), xsum.data(), T, K, w, ws, groups, y, N);
 }
 
-at::Tensor int_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, int64_t bits) {
+at::Tensor int_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, int64_t bits,
+                      int64_t input_bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "hf_tfm::int_linear: bits must be 4 or 8, got ", bits);
+#ifdef INT4_BY_INT8
+  TORCH_CHECK(input_bits == 16 || (input_bits == 8 && bits == 4),
+              "hf_tfm::int_linear: input_bits must be 16, or 8 with int4 weights; got ", input_bits);
+#else
+  TORCH_CHECK(input_bits == 16, "hf_tfm::int_linear: input_bits must be 16 (8 needs AVX-512 VNNI); got ", input_bits);
+#endif
   TORCH_CHECK(x.scalar_type() == at::kFloat && scale.scalar_type() == at::kFloat,
               "hf_tfm::int_linear: float32 inputs and scales");
   TORCH_CHECK(weight.dim() == 2 && scale.dim() == 2 && scale.size(0) == weight.size(0),
@@ -259,10 +267,9 @@ at::Tensor int_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto y = at::empty(sizes, x.options());
-#ifdef INT4_BY_INT8
-  auto run = bits == 8 ? &multiply<Int16Inputs<8>> : &multiply<Int4ByInt8>;
-#else
   auto run = bits == 8 ? &multiply<Int16Inputs<8>> : &multiply<Int16Inputs<4>>;
+#ifdef INT4_BY_INT8
+  if (input_bits == 8) run = &multiply<Int4ByInt8>;
 #endif
   run(xc.data_ptr<float>(), T, K, static_cast<const uint8_t*>(wc.data_ptr()), sc.data_ptr<float>(), groups,
       y.data_ptr<float>(), N);
@@ -271,5 +278,7 @@ at::Tensor int_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY(hf_tfm, m) { m.def("int_linear(Tensor x, Tensor weight, Tensor scale, int bits) -> Tensor"); }
+TORCH_LIBRARY(hf_tfm, m) {
+  m.def("int_linear(Tensor x, Tensor weight, Tensor scale, int bits, int input_bits=16) -> Tensor");
+}
 TORCH_LIBRARY_IMPL(hf_tfm, CPU, m) { m.impl("int_linear", &int_linear); }
