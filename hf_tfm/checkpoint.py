@@ -8,6 +8,8 @@ into a folder saved from a class that torch generated. This file imports only th
 saved folders carry it as remote code, beside `modeling.py`, which imports it.
 """
 
+import ctypes
+import errno
 import json
 import os
 import re
@@ -121,9 +123,10 @@ def _new_staging_folder(target: Path) -> Path:
 def _replace_folder(staging: Path, target: Path) -> None:
     """Put the complete folder `staging` in `target`'s place, and delete the old `target`.
 
-    A reader sees the old folder or the new one, never a mix. It takes two renames, the old folder to a hidden
-    `.NAME.old-XXXXXXXX` and then `staging` to `target`, since a rename cannot replace a folder that is not empty (only
-    Linux's renameat2(RENAME_EXCHANGE) swaps two, and it is not portable). So for the instant between them there is
+    A reader sees the old folder or the new one, never a mix, and never no folder: on Linux the two swap in one step
+    (renameat2 with RENAME_EXCHANGE), after which `staging` holds the old folder and is deleted. Where the system or
+    the file system cannot swap, it takes two renames, the old folder to a hidden `.NAME.old-XXXXXXXX` and then
+    `staging` to `target` (a rename cannot replace a folder that is not empty); for the instant between them there is
     no `target`, and a process killed in that instant leaves the old folder whole under the hidden name.
     """
     if not target.exists():
@@ -133,19 +136,45 @@ def _replace_folder(staging: Path, target: Path) -> None:
         cwd = Path.cwd()
     except FileNotFoundError:  # the process's folder was deleted: it is not in `target`
         cwd = None
-    backup = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
-    target.rename(backup)
-    try:
-        staging.rename(target)
-    except BaseException:
-        backup.rename(target)
-        raise
+    if _exchange(staging, target):
+        old = staging
+    else:
+        old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+        target.rename(old)
+        try:
+            staging.rename(target)
+        except BaseException:
+            old.rename(target)
+            raise
     if cwd is not None and (cwd == target or target in cwd.parents):
         os.chdir(cwd if cwd.is_dir() else target)  # the process stood in the old folder, which goes now: step across
-    if backup.is_dir():
-        shutil.rmtree(backup, ignore_errors=True)
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old, ignore_errors=True)
     else:  # an export replaces whatever stood at its path, a file too
-        backup.unlink()
+        old.unlink()
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # from Linux's <fcntl.h> and <linux/fs.h>
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two paths in one step where the system can: Linux's renameat2(RENAME_EXCHANGE), on a file system that
+    takes it. False, with nothing changed, where it cannot (another system, a C library without renameat2, a file
+    system without the flag)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2  # glibc 2.28 and newer
+    except AttributeError:
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(first), None, str(second))
 
 
 def _carry_over(old: Path, new: Path, keep: Callable[[str], bool]) -> None:

@@ -172,8 +172,8 @@ def test_killed_overwrite_leaves_the_old_checkpoint(tmp_path, when):
     _kill_while_saving(folder, seed=1, when=when)
     loaded = AutoModelForCausalLM.from_pretrained(folder)
     unchanged = {p.name: p.read_bytes() for p in folder.iterdir()} == before
-    # The old checkpoint, whole; or the new one, whole, when the signal landed after the save's last rename
-    assert unchanged or not list(tmp_path.glob(".model.partial-*"))
+    # The old checkpoint, whole; or the new one, whole, when the signal landed after the swap (the old one may then
+    # be left half deleted under the staging folder's hidden name)
     _assert_is(loaded, _seeded_model(2 if unchanged else 1))
 
 

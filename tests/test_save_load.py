@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -329,6 +330,43 @@ def test_save_into_the_working_directory(checkpoints, monkeypatch):
     assert Path.cwd() == folder.resolve() and Path("README.md").is_file()
     assert_loads_as(folder, new)
     assert leftovers(folder) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="renameat2(RENAME_EXCHANGE) is Linux's")
+def test_a_reader_never_finds_the_folder_missing_during_an_overwrite(tmp_path):
+    """On Linux the new folder and the old swap in one step: a reader polling during 300 overwrites always finds
+    one (with two renames it finds none hundreds of times)."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("0")
+    stop, misses = threading.Event(), []
+
+    def read() -> None:
+        while not stop.is_set():
+            if not (folder / "config.json").is_file():
+                misses.append(1)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for i in range(300):
+            with checkpoint.staged_folder(folder) as staging:
+                (staging / "config.json").write_text(str(i + 1))
+    finally:
+        stop.set()
+        reader.join()
+    assert (folder / "config.json").read_text() == "300" and len(misses) == 0 and leftovers(folder) == []
+
+
+def test_overwrite_by_two_renames_where_the_system_cannot_swap(checkpoints, monkeypatch):
+    """Without an atomic swap (another system, a file system without RENAME_EXCHANGE) the old folder steps aside
+    under a hidden name, the new one takes its place, and the old one is deleted."""
+    old, new, folder = checkpoints
+    old.save_pretrained(folder)
+    monkeypatch.setattr(checkpoint, "_exchange", lambda first, second: False)
+    new.save_pretrained(folder)
+    assert_loads_as(folder, new)
+    assert (folder / "README.md").read_text() == "# my model\n" and leftovers(folder) == []
 
 
 def test_a_folder_that_cannot_be_swapped_is_saved_in_place(checkpoints, monkeypatch):
