@@ -155,6 +155,20 @@ ONE_RELEASE = {
         r"test_two_torchrun_nodes",
         "torchrun's rendezvous of two nodes is torch's; a node trains as the single-node tests do",
     ),
+    "test_doc_pages.py": (
+        r"test_page_blocks_run\[speculative\]",
+        "the page's calls are test_speculative.py's, whose fp32 case runs the release's assisted and prompt-lookup "
+        "generation through the compiled steps on every release",
+    ),
+    "test_doc_jobs.py": (
+        r"test_llama_cpp_page",
+        "the GGUF writer and its verification are hf_tfm's own (test_export_gguf.py runs them on both ends); "
+        "`hf-tfm pretrain`, the page's first step, is test_cli.py's on every release",
+    ),
+    "test_cli.py": (
+        r"test_demo_(?!baselines|refuses)",
+        "the demo chains commands that test_cli.py and the training tests run one by one on every release",
+    ),
     "test_export_onnx.py": (
         CI_ONLY["test_export_onnx.py"][0],
         "the variants differ in hf_tfm's own position schemes, heads and layouts (tests/test_modeling.py checks each "

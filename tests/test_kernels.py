@@ -24,6 +24,7 @@ from hf_tfm.inference.kernels import (
     native_kernels_available,
     pack_int4,
     unpack_int4,
+    vector_isa,
 )
 from hf_tfm.inference.layers import ONEDNN, STREAMING_TOKENS, Int8StreamingLinear, StreamingLinear
 
@@ -306,6 +307,7 @@ def test_the_build_has_the_operators_of_the_cpus_instruction_set():
     layers keep oneDNN's and Inductor's products."""
     avx2 = os.environ.get("HF_TFM_NATIVE_KERNELS") == "avx2" or not AVX512_VNNI
     assert built_operators() == ({"int_linear"} if avx2 else {"int_linear", "float_linear"})
+    assert vector_isa() == ("AVX2" if avx2 else "AVX-512 VNNI") and int8_inputs_available() is not avx2
     assert StreamingLinear.from_linear(nn.Linear(64, 8)).native is not avx2
 
 
@@ -350,11 +352,12 @@ def test_the_avx2_build_computes_the_same_arithmetic():
 def test_kernel_can_be_turned_off():
     """HF_TFM_NATIVE_KERNELS=0: no kernels; integer layers keep the compiled formula, float ones MKL's product."""
     code = (
-        "import torch; from hf_tfm.inference.kernels import native_kernels_available; from hf_tfm.inference import "
-        "Int8StreamingLinear, StreamingLinear; q = Int8StreamingLinear.from_linear(torch.nn.Linear(128, 8), bits=4); "
+        "import torch; from hf_tfm.inference.kernels import native_kernels_available, vector_isa; "
+        "from hf_tfm.inference import Int8StreamingLinear, StreamingLinear; "
+        "q = Int8StreamingLinear.from_linear(torch.nn.Linear(128, 8), bits=4); "
         "f = StreamingLinear.from_linear(torch.nn.Linear(128, 8)); "
-        "print(native_kernels_available(), q.native, q.bits, f.native)"
+        "print(native_kernels_available(), q.native, q.bits, q.input_bits, f.native, vector_isa())"
     )
     env = {**os.environ, "HF_TFM_NATIVE_KERNELS": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "False", "8", "False"]
+    assert out.split() == ["False", "False", "8", "16", "False", "none"]

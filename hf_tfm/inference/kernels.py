@@ -48,23 +48,27 @@ def cpu_fingerprint() -> str:
     return next((line for line in lines if line.startswith("flags")), "")
 
 
-def _operators() -> tuple[str, ...]:
-    """The operators this CPU's instruction set takes: both with AVX-512 VNNI, the integer one alone with AVX2 (or
-    where `HF_TFM_NATIVE_KERNELS=avx2` asks for the AVX2 build), none where `HF_TFM_NATIVE_KERNELS=0`."""
+def vector_isa() -> str:
+    """The instruction set the native kernels are built for here: "AVX-512 VNNI", "AVX2" (also where
+    `HF_TFM_NATIVE_KERNELS=avx2` asks for the AVX2 build on an AVX-512 CPU), or "none" (no AVX2, or
+    `HF_TFM_NATIVE_KERNELS=0`)."""
     choice = os.environ.get("HF_TFM_NATIVE_KERNELS", "1")
     if choice == "0":
-        return ()
+        return "none"
     if choice != "avx2" and torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported():
-        return ("int_linear", "float_linear")
-    return ("int_linear",) if torch.cpu._is_avx2_supported() else ()
+        return "AVX-512 VNNI"
+    return "AVX2" if torch.cpu._is_avx2_supported() else "none"
+
+
+_OPERATORS = {"AVX-512 VNNI": ("int_linear", "float_linear"), "AVX2": ("int_linear",), "none": ()}
 
 
 @functools.cache
 def built_operators() -> frozenset[str]:
-    """The `torch.ops.hf_tfm` operators there are (`_operators`), building them on the first call: `int_linear` on a
+    """The `torch.ops.hf_tfm` operators there are (`vector_isa`'s), building them on the first call: `int_linear` on a
     CPU with AVX-512 VNNI or AVX2, `float_linear` with AVX-512 VNNI; none (with a warning when the build fails) where
     `HF_TFM_NATIVE_KERNELS=0` or there is no C++ compiler."""
-    operators = _operators()
+    operators = _OPERATORS[vector_isa()]
     if not operators:
         return frozenset()
     from torch.utils.cpp_extension import load
@@ -110,9 +114,9 @@ def float_kernel_available() -> bool:
 
 
 def int8_inputs_available() -> bool:
-    """Whether `int_linear` takes `input_bits=8` for int4 weights (`vpdpbusd`'s unsigned-by-signed bytes): the AVX-512
-    VNNI build (`built_operators`), whose other operator is `float_linear`."""
-    return "float_linear" in built_operators()
+    """Whether `int_linear` takes `input_bits=8` for int4 weights (`vpdpbusd`'s unsigned-by-signed bytes): its
+    AVX-512 VNNI build, where it is built (`built_operators`)."""
+    return vector_isa() == "AVX-512 VNNI" and native_kernels_available()
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
@@ -141,4 +145,5 @@ __all__ = [
     "native_kernels_available",
     "pack_int4",
     "unpack_int4",
+    "vector_isa",
 ]

@@ -21,6 +21,7 @@ import torch
 import transformers
 from torch import nn
 
+from hf_tfm.inference.kernels import vector_isa
 from hf_tfm.training import cpu_sample, free_cores
 
 
@@ -152,15 +153,6 @@ def machine_info(device: str) -> dict:
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
     return info
-
-
-def vector_isa() -> str:
-    """The instruction set hf_tfm's native kernels run on here: "AVX-512 VNNI", "AVX2" (also where
-    `HF_TFM_NATIVE_KERNELS=avx2` asks for it), or "none" (no AVX2, or `HF_TFM_NATIVE_KERNELS=0`)."""
-    choice = os.environ.get("HF_TFM_NATIVE_KERNELS", "1")
-    if choice != "0" and choice != "avx2" and torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported():
-        return "AVX-512 VNNI"
-    return "AVX2" if choice != "0" and torch.cpu._is_avx2_supported() else "none"
 
 
 def cpu_caches() -> dict[str, str]:
