@@ -14,6 +14,7 @@ from hf_tfm import TfmForCausalLM, TfmForConditionalGeneration, load_for_inferen
 from hf_tfm.inference import Int8StreamingLinear, StreamingLinear, quantize_q4, quantize_q8
 from hf_tfm.inference.aot import CompiledDecodeStep
 from hf_tfm.inference.kernels import native_kernels_available
+from hf_tfm.inference.layers import QUANTIZE_ROWS
 from hf_tfm.modeling import CACHE_NAME
 
 OPTIONS = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False}
@@ -69,6 +70,25 @@ def test_int8_rows_round_to_nearest_and_compile_to_the_same_product(tokens):
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
     error_bound = (x.abs().sum(-1, keepdim=True) * q8.weight_scale[:, 0] / 2).expand_as(exact)  # sum |x| * step / 2
     assert ((eager - exact).abs() <= error_bound + 1e-6).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_rounding_a_block_of_rows_at_a_time_is_the_whole_matrix_formula(bits):
+    """`from_linear` rounds `QUANTIZE_ROWS` rows at a time: the integers and scales are the whole matrix's formula's
+    (a scale per 128 inputs: the group's largest magnitude over 127, or over 7.5 for int4), the last block short,
+    an all-zero row included; the float layer is left as it was."""
+    torch.manual_seed(0)
+    layer = nn.Linear(256, 2 * QUANTIZE_ROWS + 5)
+    with torch.no_grad():
+        layer.weight[7] = 0
+    before = layer.weight.detach().clone()
+    q = Int8StreamingLinear.from_linear(layer, bits=bits)
+    grouped = before.unflatten(1, (2, 128))
+    scale = grouped.abs().amax(dim=2).clamp(min=torch.finfo(torch.float32).tiny) / (127 if bits == 8 else 7.5)
+    largest = 127 if bits == 8 else 7
+    integers = torch.round(grouped / scale[..., None]).clamp(-largest - 1, largest).flatten(1).to(torch.int8)
+    assert torch.equal(q.integers(), integers) and torch.equal(q.weight_scale, scale)
+    assert torch.equal(layer.weight, before)
 
 
 @pytest.mark.parametrize("tokens", [(1, 1, 64), (2, 3, 64)])

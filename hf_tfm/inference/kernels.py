@@ -123,7 +123,7 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
     """int4 values (out, in) in [-8, 7], `in` a multiple of 64, packed two to a byte as `int_linear(bits=4)` reads
     them: in each run of 64 inputs, byte j holds input j + 8 in its low nibble and input j + 32 + 8 in its high one."""
     out, inputs = values.shape
-    biased = (values.to(torch.int16) + 8).to(torch.uint8).view(out, inputs // 64, 2, 32)
+    biased = (values.to(torch.int8) + 8).view(torch.uint8).view(out, inputs // 64, 2, 32)  # 0..15: no overflow
     return (biased[:, :, 0] | (biased[:, :, 1] << 4)).reshape(out, inputs // 2)
 
 
