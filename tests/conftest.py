@@ -151,6 +151,11 @@ ONE_RELEASE = {
         "ZeRO's CPU offload is DeepSpeed's own, behind the integration zero2 and zero3 run; the commands' DeepSpeed "
         "options are hf_tfm's own, on the Trainer and accelerate paths the other tests run",
     ),
+    "test_ray.py": (
+        r"test_ray_train",
+        "Ray's workers run the Trainer's DDP path, which test_distributed.py runs on every release; the example's "
+        "callbacks and the folder it saves are hf_tfm's own",
+    ),
     "test_distributed.py": (
         r"test_two_torchrun_nodes",
         "torchrun's rendezvous of two nodes is torch's; a node trains as the single-node tests do",

