@@ -126,30 +126,40 @@ class Int8StreamingLinear(nn.Module):
     def __init__(
         self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, int8_inputs: bool = False
     ) -> None:
-        """`weight`: the integers (out, in) as int8; `scale`: (out, groups); `int8_inputs`: int4 weights' inputs
-        rounded to 8 bits where the kernel takes them (`kernels.int8_inputs_available`), as hf_tfm's q4 asks."""
+        """`weight`: the integers (out, in) as int8, or int4 ones already packed (out, in / 2) as uint8 (`pack_int4`,
+        as `concat` passes them); `scale`: (out, groups); `int8_inputs`: int4 weights' inputs rounded to 8 bits where
+        the kernel takes them (`kernels.int8_inputs_available`), as hf_tfm's q4 asks."""
         super().__init__()
-        self.out_features, in_units = weight.shape
+        packed = weight.dtype == torch.uint8
+        self.out_features, in_units = weight.shape[0], weight.shape[1] * (2 if packed else 1)
         groups = scale.shape[1]
-        native = (
-            scale.dtype == torch.float32
-            and weight.device.type == "cpu"
-            and (in_units // groups) % GROUP_MULTIPLE == 0
-            and kernels.native_kernels_available()
-        )
+        native = self._takes_kernel(in_units, groups, scale.dtype, weight.device)
         if native and in_units // groups > GROUP_LIMIT:  # one scale per row of many inputs: the same scale per 64
             scale = scale.repeat_interleave(in_units // groups // GROUP_MULTIPLE, dim=1)
         self.native, self.in_features = native, in_units
         # Long prompts take oneDNN's float32 product (see STREAMING_TOKENS) where the kernel is the AVX2 build
         self.prompts_dequantized = native and ONEDNN and not kernels.float_kernel_available()
         # Storage: int4 values packed two to a byte (without loss) for the kernel, else a byte each
-        low, high = torch.aminmax(weight)
-        int4 = bool(low >= -8) and bool(high <= 7)
-        self.bits = 4 if native and int4 and in_units % 64 == 0 else 8
+        if packed and not (native and in_units % 64 == 0):
+            weight, packed = unpack_int4(weight), False
+        if packed:
+            self.bits = 4
+        else:
+            low, high = torch.aminmax(weight)
+            int4 = bool(low >= -8) and bool(high <= 7)
+            self.bits = 4 if native and int4 and in_units % 64 == 0 else 8
+            weight = pack_int4(weight) if self.bits == 4 else weight
         self.input_bits = 8 if int8_inputs and self.bits == 4 and kernels.int8_inputs_available() else 16
-        self.register_buffer("weight", pack_int4(weight) if self.bits == 4 else weight)  # (out, in * bits / 8)
+        self.register_buffer("weight", weight)  # (out, in * bits / 8)
         self.register_buffer("weight_scale", scale)  # (out, groups) in the activations' dtype
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @staticmethod
+    def _takes_kernel(inputs: int, groups: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a layer of `inputs` in `groups` scale groups of `dtype` scales on `device` runs on the native
+        kernel."""
+        native = dtype == torch.float32 and device.type == "cpu" and (inputs // groups) % GROUP_MULTIPLE == 0
+        return native and kernels.native_kernels_available()
 
     @classmethod
     @torch.no_grad()
@@ -161,15 +171,25 @@ class Int8StreamingLinear(nn.Module):
         weight, group = linear.weight, _group_size(linear.in_features, 128)
         largest = 2 ** (bits - 1) - 1
         unit = largest + (bits == 4) / 2  # a group's largest magnitude over this is its scale
-        quantized = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
-        scale = torch.empty(weight.shape[0], weight.shape[1] // group, device=weight.device, dtype=torch.float32)
+        groups = weight.shape[1] // group
+        # int4 for the kernel is packed block by block too (the storage the constructor would make)
+        packs = bits == 4 and weight.shape[1] % 64 == 0
+        packs = packs and cls._takes_kernel(weight.shape[1], groups, weight.dtype, weight.device)
+        quantized = torch.empty(
+            weight.shape[0],
+            weight.shape[1] // (2 if packs else 1),
+            dtype=torch.uint8 if packs else torch.int8,
+            device=weight.device,
+        )
+        scale = torch.empty(weight.shape[0], groups, device=weight.device, dtype=torch.float32)
         # A block of rows at a time: its temporaries stay in the cache (whole-matrix ones took 4 of the 6 s that
         # loading a 1.1B model as q4 took)
         for start in range(0, weight.shape[0], QUANTIZE_ROWS):
             rows = slice(start, start + QUANTIZE_ROWS)
             block = weight[rows].float().unflatten(1, (-1, group))  # (rows, groups, group)
             block_scale = block.abs().amax(dim=2).clamp(min=torch.finfo(torch.float32).tiny) / unit
-            quantized[rows] = (block / block_scale[..., None]).round_().clamp_(-largest - 1, largest).flatten(1)
+            integers = (block / block_scale[..., None]).round_().clamp_(-largest - 1, largest).flatten(1)
+            quantized[rows] = pack_int4(integers) if packs else integers
             scale[rows] = block_scale
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(quantized, scale.to(linear.weight.dtype), bias, int8_inputs=bits == 4)
@@ -188,11 +208,12 @@ class Int8StreamingLinear(nn.Module):
     @classmethod
     def concat(cls, layers: list["Int8StreamingLinear"]) -> "Int8StreamingLinear":
         """One layer whose outputs are `layers`' outputs side by side: their rows stacked, so a product reads them in
-        one pass (`fuse_projections`). Each output row is computed as in its own layer, to the bit."""
+        one pass (`fuse_projections`). Each output row is computed as in its own layer, to the bit. Their stored rows
+        are stacked as they are: int4 rows stay packed."""
         bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
         scale = torch.cat([layer.weight_scale for layer in layers])
-        integers = torch.cat([layer.integers() for layer in layers])
-        return cls(integers, scale, bias, int8_inputs=all(layer.input_bits == 8 for layer in layers))
+        stored = torch.cat([layer.weight for layer in layers])  # (out, in * bits / 8): packed int4 as uint8
+        return cls(stored, scale, bias, int8_inputs=all(layer.input_bits == 8 for layer in layers))
 
     def integers(self) -> torch.Tensor:
         """The int8 values (out, in), unpacked."""

@@ -125,6 +125,17 @@ def staging_folder(key: str) -> Path:
     return root / f".{key}.partial-{os.getpid()}-{time.monotonic_ns()}"
 
 
+def _load_package(package: Path) -> Any:
+    """`torch._inductor.aoti_load_package` without its comparison of this machine with the compiling one, which only
+    warns and costs 0.8 s of a process's first step (Inductor's choice of vector instruction set spawns a Python per
+    candidate to probe it): the entry's key already names this CPU's instruction-set flags. The same loader that
+    `torch._inductor.package.load_package` falls back to."""
+    from torch._inductor.package.package import AOTICompiledModel
+
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)  # one runner, on the CPU
+    return AOTICompiledModel(loader)
+
+
 def load(key: str, constants: dict[str, torch.Tensor]) -> Any | None:
     """The library of entry `key`, reading the tensors in `constants` (by the names the library asks for), or None
     when there is no such entry. An entry that fails its checksum or does not load is removed, with a warning."""
@@ -136,7 +147,7 @@ def load(key: str, constants: dict[str, torch.Tensor]) -> Any | None:
         package = folder / PACKAGE
         if hashlib.sha256(package.read_bytes()).hexdigest() != entry["sha256"]:
             raise ValueError("its package does not match its checksum")
-        library = torch._inductor.aoti_load_package(str(package))
+        library = _load_package(package)
         # Every tensor of the model the library reads, user-managed: it keeps pointers to the model's own tensors
         # instead of copies. What it computes from them alone (ALiBi's negated slopes) it computes when they load.
         names = [name for name in library.get_constant_fqns() if not name.startswith(FOLDED)]
