@@ -233,7 +233,8 @@ def test_bench_script_runs_as_documented():
     """`python scripts/bench.py` (the entry point of the package beside it) takes the documented flags."""
     done = subprocess.run([sys.executable, str(BENCH), "--help"], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
-    for flag in ("--size", "--runtimes", "--decode-settings", "--speculative", "--ttft", "--padded", "tinyllama"):
+    flags = ("--size", "--runtimes", "--decode-settings", "--speculative", "--ttft", "--cold", "--padded", "tinyllama")
+    for flag in flags:
         assert flag in done.stdout, flag
 
 
@@ -293,6 +294,30 @@ def test_bench_runtimes_ttft_padded_tiny(tmp_path, tinyllama_standin):
     assert table.startswith("Load average (1 / 5 / 15 min): ") and "ms/token B=2 padded" in table
     assert "| first token ms P=128 | first token ms P=512 |" in table
     assert f"| {tinyllama_standin} | onnx int8 |" in table
+
+
+@pytest.mark.slow
+def test_bench_cold_starts_tiny(tmp_path):
+    """`--runtimes ... --cold`: each setting's first call in a new process, timed from the process's start, twice on
+    one store: the first process compiles its step beside the decoding (stored `compile_s` after its start), the second
+    decodes every step through the stored library."""
+    argv = ["--size", "tiny", "--runtimes", "hf_tfm_q4_compiled", "--cold", "--rounds", "1"]
+    out = run_bench([*argv, "--json", str(tmp_path / "cold.json")])
+    assert json.loads((tmp_path / "cold.json").read_text())["cold"] == out["cold"]
+    rows = {r["setting"]: r for r in out["cold"]}
+    assert list(rows) == ["hf_tfm fp32", "hf_tfm q4 compiled"]
+    for name, r in rows.items():
+        assert "error" not in r, r
+        for process in ("first", "second"):
+            times = [r[f"{process}_{key}"] for key in ("load_s", "first_token_s", "total_s")]
+            assert 0 < times[0] <= times[1] <= times[2], (name, process, times)
+            assert 0 <= r[f"{process}_longest_gap_s"] <= times[2] - times[1], (name, process)
+        assert r["second_warm_s"] > 0
+    q4, eager = rows["hf_tfm q4 compiled"], rows["hf_tfm fp32"]
+    assert q4["second_library_steps"] == r["new"] - 1 == 15  # every step after the prompt's pass
+    assert q4["compile_s"] > q4["first_load_s"]
+    assert eager["second_library_steps"] is None and "compile_s" not in eager  # no compiled step
+    assert "| tiny | hf_tfm q4 compiled |" in out["markdown"] and "first: 16 tokens s" in out["markdown"]
 
 
 @pytest.mark.slow

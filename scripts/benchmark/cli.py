@@ -26,8 +26,8 @@ from .decode import COMPILED, DECODE_SETTINGS, decode_settings
 from .measure import gpu_peak_bf16_flops, idle_free_cores, load_average, machine_info, stream_bandwidth
 from .models import ALL_TASKS, BANDWIDTH_MIB, PAIR_TASKS, SHAPES, SIZES
 from .pairs import run_pairs
-from .report import decode_markdown, header, markdown, runtimes_markdown, speculative_markdown
-from .runtimes import REFERENCE, RUNTIME_SETTINGS, TTFT_PROMPTS, runtimes
+from .report import cold_markdown, decode_markdown, header, markdown, runtimes_markdown, speculative_markdown
+from .runtimes import COLD_TOKENS, REFERENCE, RUNTIME_SETTINGS, TTFT_PROMPTS, runtimes
 from .speculative import LOOKUP_TOKENS, SPECULATIVE_SETTINGS, speculative
 
 
@@ -95,6 +95,13 @@ def _add_decoding_arguments(p: argparse.ArgumentParser) -> None:
         "each in a process of its own",
     )
     p.add_argument(
+        "--cold",
+        action="store_true",
+        help=f"with --runtimes: instead of the warm rows, each setting's first call ({COLD_TOKENS} new tokens, batch "
+        "1) in a new process, timed from the process's start: with an empty store of compiled steps, then with the "
+        "steps the first process compiled",
+    )
+    p.add_argument(
         "--padded",
         action="store_true",
         help="decode batches of prompts of different lengths (from the prompt length down to half of it), "
@@ -117,6 +124,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--from-json needs --charts DIR")
     if args.ttft and not args.runtimes:
         p.error("--ttft times the runtimes: it needs --runtimes")
+    if args.cold and (not args.runtimes or args.ttft):
+        p.error("--cold times the runtimes' cold starts: it needs --runtimes, and goes without --ttft")
     args.sizes = ["small", "base"] if args.size == "all" else [args.size]
     args.task_list = [t for t in args.tasks.split(",") if t]
     if bad := set(args.task_list) - set(ALL_TASKS):
@@ -232,6 +241,8 @@ def measure(args: argparse.Namespace, device: str) -> dict:
     if not (args.setting_list or args.runtime_list):
         results, extra = run_pairs(args, device)
         return {"results": results, "extra": extra}
+    if args.cold:  # each runtime's first call in a new process, nothing else
+        return {"cold": [row for size in args.sizes for row in runtimes(size, args, {})]}
     mib = args.bandwidth_mib or BANDWIDTH_MIB[args.sizes[0]]
     bandwidth = stream_bandwidth(mib, torch.get_num_threads())
     print(f"[bench] streaming bandwidth {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s", file=sys.stderr, flush=True)
@@ -248,6 +259,8 @@ def table_of(out: dict, args: argparse.Namespace) -> str:
     """The markdown table of the run: the speculative calls', the runtimes', the decode settings' or the pairs'."""
     if "speculative" in out:
         return speculative_markdown(out["speculative"])
+    if "cold" in out:
+        return cold_markdown(out["cold"])
     batches = SHAPES[args.sizes[0]]["decode_batches"]
     if "runtimes" in out:
         ttft = TTFT_PROMPTS if args.ttft else ()

@@ -186,6 +186,34 @@ def runtimes_markdown(
     return "\n".join([heading, "", *table(columns, rows)])
 
 
+def cold_markdown(rows: list[dict]) -> str:
+    """Per setting, a first process (empty store of compiled steps) and a second one: seconds from the process's
+    start to its weights loaded, its first and its last new token, the longest wait between two tokens; hf_tfm's
+    compile beside the first; the same call warm."""
+    new = next((r["new"] for r in rows), 0)
+
+    def seconds(key: str) -> Callable[[dict], str]:
+        return lambda r: "" if r.get(key) is None else f"{r[key]:.2f}"
+
+    columns = [text("size"), text("setting")]
+    for process in ("first", "second"):
+        columns += [
+            Column(f"{process}: loaded s", seconds(f"{process}_load_s")),
+            Column(f"{process}: first token s", seconds(f"{process}_first_token_s")),
+            Column(f"{process}: {new} tokens s", seconds(f"{process}_total_s")),
+            Column(f"{process}: longest wait s", seconds(f"{process}_longest_gap_s")),
+        ]
+    columns += [
+        Column("compile s (beside the first)", seconds("compile_s")),
+        Column("warm call s", seconds("second_warm_s")),
+    ]
+    heading = (
+        f"A new process's first generate() of {new} tokens, batch 1, timed from the process's start (its imports "
+        "included): the first process with no compiled step stored, the second with the one the first compiled."
+    )
+    return "\n".join([heading, "", *table(columns, rows)])
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Speculative decoding: plain, prompt-lookup and assisted generate() of one model
 

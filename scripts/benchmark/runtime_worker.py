@@ -8,11 +8,13 @@ nothing of the `benchmark` package, whose `__init__` imports torch and transform
 step (`step`) over `rounds` calls of `new` greedy tokens each. The prompts may differ in length: hf_tfm and ONNX
 Runtime left-pad them into one batch, CTranslate2 and llama.cpp take them as they are. With `"mode": "ttft"` it
 returns the median seconds from the call to the first new token (`ttft`), the prompts' processing; with `"mode":
-"score"` (`scripts/quality.py --runtimes`) it scores the export's next-token predictions on `blocks` instead.
+"cold"` (`scripts/bench.py --cold`) a user's first call in a new process (`cold_start`); with `"mode": "score"`
+(`scripts/quality.py --runtimes`) it scores the export's next-token predictions on `blocks` instead.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -63,7 +65,12 @@ def left_padded(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, t
 
 
 def _hf_tfm(
-    path: str, prompts: list[list[int]], threads: int, quantize: str | None = None, compile: bool = False
+    path: str,
+    prompts: list[list[int]],
+    threads: int,
+    quantize: str | None = None,
+    compile: bool = False,
+    warm: bool = True,
 ) -> Runner:
     import torch
 
@@ -71,7 +78,7 @@ def _hf_tfm(
 
     torch.set_num_threads(threads)
     model = load_for_inference(path, quantize=quantize, compile=compile)  # what `hf-tfm generate` loads
-    if getattr(model, "compiled_decode_step", None) is not None:  # timed warm: not while its step compiles beside it
+    if warm and getattr(model, "compiled_decode_step", None) is not None:  # not while its step compiles beside it
         from hf_tfm.inference import precompile
 
         precompile(model, (len(prompts),), verify=False)
@@ -83,11 +90,14 @@ def _hf_tfm(
                 ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=clock
             )
 
+    run.model = model  # cold_start reads its compiled step's calls
     return run
 
 
-def _hf_tfm_compiled(path: str, prompts: list[list[int]], threads: int, quantize: str | None = None) -> Runner:
-    return _hf_tfm(path, prompts, threads, quantize, compile=True)
+def _hf_tfm_compiled(
+    path: str, prompts: list[list[int]], threads: int, quantize: str | None = None, warm: bool = True
+) -> Runner:
+    return _hf_tfm(path, prompts, threads, quantize, compile=True, warm=warm)
 
 
 def _onnx(path: str, prompts: list[list[int]], threads: int) -> Runner:
@@ -228,11 +238,39 @@ def first_token_seconds(run: Runner) -> float:
     return clock.stamps[-1] - start
 
 
+def cold_start(request: dict, options: dict) -> dict:
+    """`"mode": "cold"`: a user's first call in a new process. Seconds from `spawned_at` (the caller's wall clock when
+    it started this process) until the weights are loaded (the runtime imported), until the first new token and the
+    last of `new` (one greedy call), and the longest wait between two new tokens; then the seconds of the same call
+    again (`warm_s`). hf_tfm's compiled step is not waited for: one not stored yet compiles beside the decoding, as
+    for a user; `library_steps` is how many of the call's steps it ran."""
+    if request["format"].startswith("hf_tfm"):
+        options = {**options, "warm": False}
+    runner = RUNNERS[request["format"]](request["path"], request["prompts"], request["threads"], **options)
+    wall, perf = time.time(), time.perf_counter()
+    clock = StepClock()
+    runner(request["new"], clock)
+    since_spawn = [wall - request["spawned_at"] + stamp - perf for stamp in clock.stamps[-request["new"] :]]
+    step = getattr(getattr(runner, "model", None), "compiled_decode_step", None)
+    result = {
+        "load_s": wall - request["spawned_at"],
+        "first_token_s": since_spawn[0],
+        "total_s": since_spawn[-1],
+        "longest_gap_s": max(later - earlier for earlier, later in itertools.pairwise(since_spawn)),
+        "library_steps": None if step is None else step.calls,
+    }
+    start = time.perf_counter()
+    runner(request["new"], StepClock())
+    return {**result, "warm_s": time.perf_counter() - start}
+
+
 def run(request: dict) -> dict:
     """The answer to one request (see the module docstring)."""
     if request.get("mode") == "score":
         return score(request)
     options = {"quantize": request["quantize"]} if request.get("quantize") else {}
+    if request.get("mode") == "cold":
+        return cold_start(request, options)
     runner = RUNNERS[request["format"]](request["path"], request["prompts"], request["threads"], **options)
     if request.get("mode") == "ttft":
         first_token_seconds(runner)  # warm-up: kernels, allocations, caches (and compiling, for this prompt's length)

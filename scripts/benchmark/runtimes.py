@@ -5,6 +5,10 @@ Per setting: ms per decode step at each batch size, the weight bytes a step read
 streaming bandwidth, and the speedup over hf_tfm fp32 (the reference, always measured). With ``--ttft``, the time to
 the first token of a prompt of each of ``TTFT_PROMPTS`` tokens (batch 1): the prompt's processing and the choice of
 its next token, again in a process of its own per prompt length, with its speedup over hf_tfm fp32's.
+
+With ``--cold`` instead (`cold_row`): a user's first call in a new process, twice per setting, from the process's
+start to each of `COLD_TOKENS` tokens, with an empty store of compiled steps and then with the steps the first process
+compiled.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -67,6 +72,8 @@ WORKER = Path(__file__).resolve().parent / "runtime_worker.py"
 LLAMA_CPP_PYTHON = SCRIPTS.parent / ".venv-llama-cpp" / "bin" / "python"
 # prompt lengths of the time to the first token (`--ttft`): a short and a long request
 TTFT_PROMPTS = (128, 512)
+COLD_TOKENS = 16  # new tokens of a cold start's call
+COMPILE_TIMEOUT = 900  # seconds a first process's compile, left running beside it, may take to store its step
 
 
 def _weight_bytes(fmt: str, path: str, model: nn.Module) -> int:
@@ -80,9 +87,10 @@ def _weight_bytes(fmt: str, path: str, model: nn.Module) -> int:
     return sum(f.stat().st_size for f in files)
 
 
-def in_process(request: dict, threads: int) -> dict:
+def in_process(request: dict, threads: int, env: dict[str, str] | None = None) -> dict:
     """The worker's answer to `request` (its `format`'s runtime, in a process of its own: llama.cpp's in its own
-    environment); a `RuntimeError` with the worker's last line of error output where it fails."""
+    environment, `env` added to this one); a `RuntimeError` with the worker's last line of error output where it
+    fails."""
     from hf_tfm.programs import run_program
 
     python = sys.executable
@@ -90,7 +98,7 @@ def in_process(request: dict, threads: int) -> dict:
         if not LLAMA_CPP_PYTHON.is_file():
             raise RuntimeError("llama.cpp's environment is missing: make llama-cpp-env")
         python = str(LLAMA_CPP_PYTHON)
-    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     try:
         return run_program(WORKER, {**request, "threads": threads}, request["format"], python=python, env=env)
     except RuntimeError as err:  # the table's cell: the worker's own error, not the launch around it
@@ -111,6 +119,8 @@ def runtimes(size: str, args: argparse.Namespace, bandwidth: dict) -> list[dict]
         folder = os.path.join(tmp, "hf_tfm")
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
+        if args.cold:
+            return [cold_row(size, name, folder, model, tmp, args) for name in args.runtime_list]
         rows = [runtime_row(size, name, folder, model, tmp, args, bandwidth) for name in args.runtime_list]
     timings = {f"b{batch}": f"b{batch}_step_s" for batch in SHAPES[size]["decode_batches"]}
     add_speedups(rows, {**timings, **{f"ttft_p{length}": f"ttft_p{length}_s" for length in TTFT_PROMPTS}})
@@ -148,6 +158,42 @@ def runtime_row(
         except Exception as err:  # the decode row stands (a prompt longer than the model's positions is refused)
             row[f"ttft_p{length}_error"] = failure(err)
     return row
+
+
+def cold_row(size: str, name: str, folder: str, model: nn.Module, tmp: str, args: argparse.Namespace) -> dict:
+    """One runtime's cold starts (`runtime_worker.cold_start`), batch 1: a first process with an empty store of
+    compiled steps (`first_*`; hf_tfm's `compile_s`: from its start until the step it compiles beside the decoding is
+    stored), then a second process on the same store (`second_*`)."""
+    shp, vocab = SHAPES[size], SIZES[size]["vocab"]
+    fmt, quantize, what = RUNTIME_SETTINGS[name]
+    row = {"size": size, "setting": name, "what": what, "new": COLD_TOKENS}
+    print(f"[bench] {size} cold starts of {name} ...", file=sys.stderr, flush=True)
+    try:
+        path, _ = prepared(name, folder, model, tmp)
+        prompts = random_prompts(1, shp["prompt"], vocab)
+        request = {"format": fmt, "path": path, "mode": "cold", "prompts": prompts, "new": COLD_TOKENS}
+        if fmt.startswith("hf_tfm"):
+            request["quantize"] = None if quantize == CALIBRATED else quantize
+        with tempfile.TemporaryDirectory() as store:
+            for process in ("first", "second"):
+                spawned = time.time()
+                result = in_process({**request, "spawned_at": spawned}, args.threads, {"HF_TFM_CACHE": store})
+                row |= {f"{process}_{key}": value for key, value in result.items()}
+                if process == "first" and fmt == "hf_tfm+compile":
+                    row["compile_s"] = _stored(Path(store), spawned)
+    except Exception as err:  # a runtime that does not run here is reported, with its error
+        row["error"] = failure(err)
+    return row
+
+
+def _stored(store: Path, since: float) -> float:
+    """Seconds from `since` until the store holds a compiled step (a whole entry: it appears by a rename)."""
+    deadline = time.monotonic() + COMPILE_TIMEOUT
+    while not any((store / "steps").glob("*/entry.json")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no compiled step stored within {COMPILE_TIMEOUT} s")
+        time.sleep(0.2)
+    return time.time() - since
 
 
 def failure(err: Exception) -> str:
