@@ -253,3 +253,51 @@ def test_demo_results_beat_their_baselines(profile):
     assert clf["test_accuracy"] > clf["baseline_accuracy"] and clf["test_loss"] < clf["baseline_loss"]
     assert s2s["eval_loss"] < s2s["baseline_loss"]
     assert s2s["exact_match"] > s2s["baseline_exact_match"] and s2s["word_f1"] > s2s["baseline_word_f1"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Cold starts: scripts/results/cold_SIZE.json, written by `scripts/bench.py --runtimes ... --cold`
+
+COLD_SHAPES = {"base": "base (110M)", "tinyllama": "TinyLlama-1.1B shape"}
+
+
+def cold_rows() -> dict[tuple[str, str], dict]:
+    """(size, setting) -> its row."""
+    rows = {}
+    for size in COLD_SHAPES:
+        for row in json.loads((RESULTS / f"cold_{size}.json").read_text())["cold"]:
+            rows[size, row["setting"]] = row
+    return rows
+
+
+def test_cold_start_table_is_the_bench_results():
+    """docs/fast-inference.md's table of new processes: every row of the results files, as measured; every hf_tfm step
+    of the second process ran through the library the first process compiled."""
+    rows = cold_rows()
+    text = doc_page("fast-inference").read_text()
+    for (size, setting), row in rows.items():
+        assert "error" not in row, row
+        compiled = setting.endswith("compiled")
+        assert row["second_library_steps"] == (row["new"] - 1 if compiled else None), row
+        keys = ("first_total_s", "first_longest_gap_s", "compile_s", "second_load_s", "second_first_token_s")
+        cells = [f"{COLD_SHAPES[size]}, {setting}"]
+        cells += ["" if row.get(key) is None else f"{row[key]:.2f}" for key in keys]
+        cells += [f"{row['second_total_s']:.2f}", f"{row['second_warm_s']:.2f}"]
+        line = "| " + " | ".join(cells) + " |"
+        assert line in text, f"docs/fast-inference.md should have the row {line!r}"
+
+
+def test_cold_start_prose_is_the_bench_results():
+    rows = cold_rows()
+    ours, theirs = rows["tinyllama", Q4], rows["tinyllama", "llama.cpp q4_0"]
+    waits = [row["first_longest_gap_s"] for (_, setting), row in rows.items() if setting.startswith("hf_tfm")]
+    compiles = [row["compile_s"] for row in rows.values() if "compile_s" in row]
+    assert_states(
+        "fast-inference",
+        f"its 16 tokens at TinyLlama's shape {ours['second_total_s']:.2f} s after it starts at `q4`, where "
+        f"llama.cpp's Q4_0 takes {theirs['second_total_s']:.2f} s",
+        f"its longest wait between two tokens is {max(waits):.2f} s, while its step compiles beside it in "
+        f"{min(compiles):.0f} to {max(compiles):.0f} s",
+    )
+    # "Most of that is Python importing": the process had loaded (imports and weights) before half of its time
+    assert ours["second_load_s"] > ours["second_total_s"] / 2
