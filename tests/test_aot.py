@@ -9,6 +9,8 @@ cycle so each greedy step has a clear winner; one library (batch and cache lengt
 model.
 """
 
+import inspect
+
 import pytest
 import torch
 from conftest import tiny_seq2seq_config
@@ -204,6 +206,25 @@ def test_what_the_step_does_not_take_keeps_the_compiled_generate(tmp_path, overr
         install(model)
     with pytest.raises(ValueError, match="decoder-only"):
         install(TfmForConditionalGeneration(tiny_seq2seq_config()))
+
+
+def test_installed_forward_looks_as_the_model_s_and_generate_passes_its_2d_mask(lm):
+    """Tools read `inspect.signature(model.forward)` (generate() on every call): the installed forward's is the bound
+    method's, without `self`. generate()'s mask for the static cache stays 2-D (the step and the model's forward
+    build what they need from it), and the greedy tokens of a left-padded batch equal the eager model's, whose
+    generate() builds the 4-D masks."""
+    fast, eager = lm
+    assert inspect.signature(fast.forward) == inspect.signature(eager.forward)
+    assert "self" not in inspect.signature(fast.forward).parameters
+    seen = []
+    original = fast.compiled_decode_step._inputs
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fast.compiled_decode_step, "_inputs", lambda kwargs: seen.append(kwargs) or original(kwargs))
+        ours, theirs, stepped = generate_both(
+            (fast, eager), input_ids=PADDED, attention_mask=PADDED_MASK, max_new_tokens=6, do_sample=False
+        )
+    assert stepped == 5 and all(call["attention_mask"].ndim == 2 for call in seen)
+    assert torch.equal(ours, theirs)
 
 
 def test_calls_the_step_does_not_take_run_the_model(lm):
