@@ -130,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     def _terminate(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt  # unwinds through the staged output folder, which deletes the half-written folder
 
-    on_main_thread = threading.current_thread() is threading.main_thread()
+    # SIGTERM unwinds as Ctrl-C does, so that a command writing a folder deletes its half-written one. A server writes
+    # none and keeps its engine's own handling, as `transformers serve` has it: with continuous batching on 5.16-5.19,
+    # its threads outlive the KeyboardInterrupt, and the process never exited
+    on_main_thread = threading.current_thread() is threading.main_thread() and args.command != "serve"
     previous = signal.signal(signal.SIGTERM, _terminate) if on_main_thread else None
     module = TASKS.get(getattr(args, "task", None), COMMANDS[args.command])
     try:

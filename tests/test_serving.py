@@ -177,7 +177,8 @@ def wait_healthy(server: subprocess.Popen, port: int, log: Path, deadline_s: flo
 
 
 def stop_server(server: subprocess.Popen, port: int) -> None:
-    """SIGTERM the server's process group by its PID, then check that nothing listens on the port any more."""
+    """SIGTERM the server's process group by its PID: it exits (as `docker stop` and systemd expect), and nothing
+    listens on the port any more."""
     if server.poll() is None:
         os.killpg(server.pid, signal.SIGTERM)
         try:
@@ -185,6 +186,7 @@ def stop_server(server: subprocess.Popen, port: int) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(timeout=30)
+            raise AssertionError("the server still ran 30 s after SIGTERM") from None
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0, "the port still accepts connections"
 
