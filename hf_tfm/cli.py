@@ -130,11 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     def _terminate(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt  # unwinds through the staged output folder, which deletes the half-written folder
 
-    # SIGTERM unwinds as Ctrl-C does, so that a command writing a folder deletes its half-written one. A server writes
-    # none and keeps its engine's own handling, as `transformers serve` has it: with continuous batching on 5.16-5.19,
-    # its threads outlive the KeyboardInterrupt, and the process never exited
-    on_main_thread = threading.current_thread() is threading.main_thread() and args.command != "serve"
-    previous = signal.signal(signal.SIGTERM, _terminate) if on_main_thread else None
+    # SIGTERM unwinds as Ctrl-C does, so that a command writing a folder deletes its half-written one. Python installs
+    # a handler from the main thread only (a caller may run `main` on another: it keeps its process's handling). A
+    # server writes no folder and keeps its engine's own handling, as `transformers serve` has it: with continuous
+    # batching on 5.16-5.19, its threads outlive the KeyboardInterrupt, and the process never exited.
+    handles_sigterm = threading.current_thread() is threading.main_thread() and args.command != "serve"
+    previous = signal.signal(signal.SIGTERM, _terminate) if handles_sigterm else None
     module = TASKS.get(getattr(args, "task", None), COMMANDS[args.command])
     try:
         return module.run(args) or 0
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf-tfm {args.command}: interrupted; no output folder was left behind", file=sys.stderr)
         return 130
     finally:
-        if on_main_thread:
+        if handles_sigterm:
             signal.signal(signal.SIGTERM, previous)
 
 
