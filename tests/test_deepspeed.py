@@ -1,9 +1,9 @@
 """DeepSpeed ZeRO on 2 CPU ranks (gloo, `DS_ACCELERATOR=cpu`), with the in-tree copy as the oracle.
 
 Every model kind (dense causal LM tied and untied, MoE causal LM, encoder classifier with LoRA, seq2seq) trains under
-`Trainer(deepspeed=...)` beside its in-tree copy (Llama, Mixtral, BERT, BART on the same weights, `hf_tfm.to_hf`), in
-one launch per ZeRO config (tests/dist/train_deepspeed.py); the tests read the launch's record. The configs are the
-shipped ones (examples/deepspeed/), so they cannot rot.
+`Trainer(deepspeed=...)` beside its in-tree copy (Llama, Mixtral, BERT, BART on the same weights, `hf_tfm.to_hf`), each
+ZeRO config in turn in one launch (tests/dist/train_deepspeed.py); the tests read each config's record. The configs
+are the shipped ones (examples/deepspeed/), so they cannot rot.
 """
 
 import json
@@ -151,9 +151,6 @@ def concrete(config: dict) -> dict:
     return config | fills
 
 
-RUNS: dict[str, dict] = {}  # config name -> the launch's record (one launch per config for the module's tests)
-
-
 def plan_runs(models: dict, out: Path) -> list[dict]:
     """The launch's runs: every kind as hf_tfm and as its copy (and hf_tfm as the copy runs, where that differs)."""
     runs = []
@@ -170,24 +167,52 @@ def plan_runs(models: dict, out: Path) -> list[dict]:
     return runs
 
 
-def zero_run(name: str, models: dict, tmp_path_factory) -> dict:
-    """Launch tests/dist/train_deepspeed.py once for config `name` over every kind, hf_tfm and copy; its record."""
-    if name in RUNS:
-        return RUNS[name]
-    out = tmp_path_factory.mktemp(name)
-    runs = plan_runs(models, out)
-    plan = {"deepspeed": zero_config(name), "steps": STEPS, "runs": runs, "out": str(out)}
-    if name == "zero3":  # the ZeRO-3 launch also resumes a checkpoint and builds models with `from_config`
-        plan["resume"] = {"folder": str(models["dense-tied"]["root"] / "hf_tfm"), "task": "causal_lm"}
-        plan["from_config"] = {
-            "folders": {kind: str(models[kind]["root"] / "hf_tfm") for kind in ("dense-tied", "moe")},
-            "deepspeed": concrete(zero_config(name)),
-        }
-    plan["result"] = str(out / "result.json")
+# The configs in the order one launch trains them: ZeRO-2's first, so that they load and train as in a process of their
+# own, before ZeRO-3 has partitioned models there (its `zero.Init` wraps their construction while they load).
+ZERO_CONFIGS = ["zero2", "zero2_offload", "zero3", "zero3_offload"]
+
+
+def plan_config(name: str, deepspeed: dict | None, models: dict, out: Path) -> dict:
+    """One config's part of a launch's plan: every kind as hf_tfm and as its copy, writing under `out`."""
+    return {"name": name, "deepspeed": deepspeed, "runs": plan_runs(models, out), "out": str(out)}
+
+
+def launch_plan(command: list[str], configs: list[dict], out: Path) -> dict[str, dict]:
+    """Launch tests/dist/train_deepspeed.py (`command` ends with it) once for `configs`, in turn; each config's record
+    by name, with the launch's world size and the config's output folder."""
+    plan = {"configs": configs, "steps": STEPS, "result": str(out / "result.json")}
     (out / "plan.json").write_text(json.dumps(plan))
-    launch(torchrun(str(DIST / "train_deepspeed.py"), str(out / "plan.json")))
-    RUNS[name] = json.loads((out / "result.json").read_text()) | {"out": str(out)}
-    return RUNS[name]
+    launch([*command, str(out / "plan.json")])
+    result = json.loads((out / "result.json").read_text())
+    outs = {config["name"]: config["out"] for config in configs}
+    return {
+        name: record | {"world_size": result["world_size"], "out": outs[name]}
+        for name, record in result["configs"].items()
+    }
+
+
+@pytest.fixture(scope="module")
+def zero_runs(models, tmp_path_factory, request) -> dict[str, dict]:
+    """One launch over every config the session's tests of this file read (a test parametrized by `config` reads its
+    own, the others ZeRO-3's, which also resumes a checkpoint and builds models with `from_config`): each config's
+    record by name. One launch, not one per config: each launch pays 2 ranks' start-up and imports."""
+    wanted = {
+        item.callspec.params["config"] if hasattr(item, "callspec") else "zero3"
+        for item in request.session.items
+        if item.path == request.path and "zero_runs" in item.fixturenames
+    }
+    root = tmp_path_factory.mktemp("zero")
+    configs = []
+    for name in (name for name in ZERO_CONFIGS if name in wanted):
+        config = plan_config(name, zero_config(name), models, root / name)
+        if name == "zero3":
+            config["resume"] = {"folder": str(models["dense-tied"]["root"] / "hf_tfm"), "task": "causal_lm"}
+            config["from_config"] = {
+                "folders": {kind: str(models[kind]["root"] / "hf_tfm") for kind in ("dense-tied", "moe")},
+                "deepspeed": concrete(zero_config(name)),
+            }
+        configs.append(config)
+    return launch_plan(torchrun(str(DIST / "train_deepspeed.py")), configs, root)
 
 
 REFERENCES: dict[str, list[float]] = {}
@@ -209,12 +234,11 @@ def assert_close_lists(ours: list[float], theirs: list[float], rtol: float = RTO
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=rtol, atol=0)
 
 
-@pytest.mark.parametrize("config", ["zero2", "zero2_offload", "zero3", "zero3_offload"])
-def test_trainer_zero_matches_the_in_tree_copy(config, models, tmp_path_factory):
+@pytest.mark.parametrize("config", ZERO_CONFIGS)
+def test_trainer_zero_matches_the_in_tree_copy(config, models, zero_runs):
     """Every kind under `Trainer(deepspeed=...)`: step losses and gradient norms equal the in-tree copy's (rtol 1e-5),
     on 2 ranks of a real ZeRO engine, and hf_tfm's losses equal one process's on the same global batch."""
-    record = zero_run(config, models, tmp_path_factory)
-    assert_matches_copy(record, models, config)
+    assert_matches_copy(zero_runs[config], models, config)
 
 
 def assert_matches_copy(record: dict, models: dict, config: str) -> None:
@@ -251,11 +275,11 @@ def probe_logits(folder: Path, spec: dict, base: Path) -> torch.Tensor:
         return model.eval()(**inputs).logits
 
 
-@pytest.mark.parametrize("config", ["zero2", "zero2_offload", "zero3", "zero3_offload"])
-def test_saved_folders_load_without_deepspeed(config, models, tmp_path_factory):
+@pytest.mark.parametrize("config", ZERO_CONFIGS)
+def test_saved_folders_load_without_deepspeed(config, models, zero_runs):
     """`trainer.save_model()` (ZeRO-3: the 16-bit gather) writes folders that load without DeepSpeed with the logits
     of the in-tree copy's (atol 1e-5); a tied model stays tied and stores one matrix."""
-    saved = Path(zero_run(config, models, tmp_path_factory)["out"]) / "saved"
+    saved = Path(zero_runs[config]["out"]) / "saved"
     for kind, spec in models.items():
         ours = saved / kind / ("hf_tfm-unscaled" if spec["task"] != "causal_lm" else "hf_tfm")
         logits = probe_logits(ours, spec, spec["root"] / "hf_tfm")
@@ -268,22 +292,22 @@ def test_saved_folders_load_without_deepspeed(config, models, tmp_path_factory):
         assert "lm_head.weight" not in set(weights.keys())
 
 
-def test_zero3_checkpoint_resumes_onto_the_same_curve(models, tmp_path_factory):
+def test_zero3_checkpoint_resumes_onto_the_same_curve(zero_runs):
     """A ZeRO-3 checkpoint of step 2, resumed by a fresh process's model to step 4: the losses of steps 3 and 4 equal
     the uninterrupted run's (rtol 1e-5)."""
-    record = zero_run("zero3", models, tmp_path_factory)["resume"]
+    record = zero_runs["zero3"]["resume"]
     assert "global_step4" in record["checkpoint_files"]  # DeepSpeed's own partitioned checkpoint
     full, resumed = record["full"]["losses"], record["resumed"]["losses"]
     assert len(full) == len(resumed) == 4, (full, resumed)  # the resumed run's history starts with the checkpoint's
     torch.testing.assert_close(torch.tensor(resumed[2:]), torch.tensor(full[2:]), rtol=RTOL, atol=0)
 
 
-def test_zero_to_fp32_consolidation_loads_as_an_hf_tfm_folder(models, tmp_path_factory):
+def test_zero_to_fp32_consolidation_loads_as_an_hf_tfm_folder(models, zero_runs):
     """DeepSpeed's `zero_to_fp32.py` (the copy a ZeRO checkpoint carries) on the step-4 ZeRO-3 checkpoint, beside the
     checkpoint's config and code: the folder loads as a tied TfmForCausalLM whose logits equal the uninterrupted run's
     final model (atol 1e-6). (Its `--safe_serialization` refuses a tied model's shared table: the default writes
     pytorch_model.bin.)"""
-    out = Path(zero_run("zero3", models, tmp_path_factory)["out"]) / "resume"
+    out = Path(zero_runs["zero3"]["out"]) / "resume"
     checkpoint, consolidated = out / "full" / "checkpoint-4", out / "fp32"
     launch([sys.executable, str(checkpoint / "zero_to_fp32.py"), str(checkpoint), str(consolidated)])
     for file in checkpoint.iterdir():
@@ -300,12 +324,12 @@ def test_zero_to_fp32_consolidation_loads_as_an_hf_tfm_folder(models, tmp_path_f
         assert (start.eval()(torch.tensor(PROBE)).logits - reference).abs().max() > 1e-2  # it trained
 
 
-def test_from_config_under_zero3_initialises_and_ties_as_one_process(models, tmp_path_factory):
+def test_from_config_under_zero3_initialises_and_ties_as_one_process(models, zero_runs):
     """`from_config` under `HfDeepSpeedConfig` (ZeRO-3 `zero.Init`): partitioned, tied as configured, converted whole
     by `to_hf` (its `from_hf` equals the gathered model exactly), and every
     parameter, gathered, has the plain model's scale: its mean and std within 4 standard errors (4 / sqrt(numel)
     relative on the std), which tells `initializer_range` from the scaled residual projections (1/2 of it here)."""
-    found = zero_run("zero3", models, tmp_path_factory)["from_config"]
+    found = zero_runs["zero3"]["from_config"]
     for kind, record in found.items():
         config = transformers.AutoConfig.from_pretrained(models[kind]["root"] / "hf_tfm")
         assert record["partitioned"] and record["tied"] is config.tie_word_embeddings, kind
@@ -326,13 +350,11 @@ def test_accelerate_launch_with_a_deepspeed_plugin(models, tmp_path):
     examples/deepspeed/zero3.json), the script's `TrainingArguments` naming no DeepSpeed config: the same record as
     `Trainer(deepspeed=...)`, equal to the in-tree copy's and to one process's (rtol 1e-5)."""
     chosen = {kind: models[kind] for kind in ("dense-tied", "moe", "encoder-lora")}
-    plan = {"deepspeed": None, "steps": STEPS, "runs": plan_runs(chosen, tmp_path), "out": str(tmp_path)}
-    plan["result"] = str(tmp_path / "result.json")
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
     config = ROOT / "examples" / "accelerate" / "deepspeed.yaml"
     accelerate = [str(BIN / "accelerate"), "launch", "--config_file", str(config), "--main_process_port"]
-    launch([*accelerate, str(free_port()), str(DIST / "train_deepspeed.py"), str(tmp_path / "plan.json")])
-    assert_matches_copy(json.loads((tmp_path / "result.json").read_text()), chosen, "zero3")
+    command = [*accelerate, str(free_port()), str(DIST / "train_deepspeed.py")]
+    records = launch_plan(command, [plan_config("zero3", None, chosen, tmp_path)], tmp_path)
+    assert_matches_copy(records["zero3"], chosen, "zero3")
 
 
 # The page's one-line `hf-tfm` commands (docs/scale-out.md), shrunk to seconds: 4 steps of the tiny presets.

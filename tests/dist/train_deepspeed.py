@@ -1,14 +1,19 @@
 """DeepSpeed ZeRO through `Trainer`, on saved hf_tfm models and their in-tree copies:
 `DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 --standalone tests/dist/train_deepspeed.py PLAN.json`, or the same
-under `accelerate launch` with a DeepSpeed plugin (PLAN's "deepspeed" is then null: the plugin's config is used).
+under `accelerate launch` with a DeepSpeed plugin (a config's "deepspeed" is then null: the plugin's config is used).
 
-PLAN (JSON) names the DeepSpeed config (a file or a dict), the runs and where rank 0 writes its RESULT (JSON). Each run
-loads a folder after its `TrainingArguments` exist (so ZeRO-3 partitions it while loading, as `from_pretrained` does
-under `Trainer`), prints it (DeepSpeed and `Trainer` do, before the first step), optionally freezes parameters and
-adds LoRA, trains `steps`
-SGD steps on a fixed global batch (common.py) and saves with `trainer.save_model` (ZeRO-3: the 16-bit gather). The
-optional parts: "resume" (a ZeRO checkpoint at step 2, resumed to step 4 beside an uninterrupted run) and "from_config" (`from_config` under `HfDeepSpeedConfig`: the model's
-own initialisation and ties, gathered). The test compares the numbers; this script only records them.
+PLAN (JSON) lists DeepSpeed configs, run in turn in this one process (a launch's 2 ranks each import torch,
+transformers and DeepSpeed: seconds the configs share), and names where rank 0 writes its RESULT (JSON). Each config
+has a name, the DeepSpeed config (a file or a dict), its runs and its output folder. Every `TrainingArguments` sets its
+config up afresh (transformers resets accelerate's state and points its `HfDeepSpeedConfig` reference at the new
+config); the test checks each run's engine, stage and offload.
+
+Each run loads a folder after its `TrainingArguments` exist (so ZeRO-3 partitions it while loading, as
+`from_pretrained` does under `Trainer`), prints it (DeepSpeed and `Trainer` do, before the first step), optionally
+freezes parameters and adds LoRA, trains `steps` SGD steps on a fixed global batch (common.py) and saves with
+`trainer.save_model` (ZeRO-3: the 16-bit gather). A config's optional parts: "resume" (a ZeRO checkpoint at step 2,
+resumed to step 4 beside an uninterrupted run) and "from_config" (`from_config` under `HfDeepSpeedConfig`: the
+model's own initialisation and ties, gathered). The test compares the numbers; this script only records them.
 """
 
 import json
@@ -117,6 +122,17 @@ def from_config(folders: dict[str, str], deepspeed: dict) -> dict:
     return found
 
 
+def run_config(config: dict, steps: int) -> dict:
+    """One DeepSpeed config's runs, and its optional parts; their records."""
+    deepspeed, out_dir = config["deepspeed"], config["out"]
+    record = {"runs": {run["name"]: train(run, deepspeed, steps, out_dir) for run in config["runs"]}}
+    if config.get("resume"):
+        record["resume"] = resume(config["resume"], deepspeed, os.path.join(out_dir, "resume"))
+    if config.get("from_config"):
+        record["from_config"] = from_config(config["from_config"]["folders"], config["from_config"]["deepspeed"])
+    return record
+
+
 def main(plan_file: str) -> None:
     import deepspeed
 
@@ -125,13 +141,8 @@ def main(plan_file: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     with open(plan_file) as f:
         plan = json.load(f)
-    deepspeed, out_dir = plan["deepspeed"], plan["out"]
     result = {"world_size": int(os.environ["WORLD_SIZE"])}
-    result["runs"] = {run["name"]: train(run, deepspeed, plan["steps"], out_dir) for run in plan["runs"]}
-    if plan.get("resume"):
-        result["resume"] = resume(plan["resume"], deepspeed, os.path.join(out_dir, "resume"))
-    if plan.get("from_config"):
-        result["from_config"] = from_config(plan["from_config"]["folders"], plan["from_config"]["deepspeed"])
+    result["configs"] = {config["name"]: run_config(config, plan["steps"]) for config in plan["configs"]}
     if dist.get_rank() == 0:
         with open(plan["result"], "w") as f:
             json.dump(result, f)
