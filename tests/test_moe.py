@@ -784,21 +784,35 @@ def test_torchrun_ddp_matches_the_replayed_steps(tmp_path):
     assert result["max_weight_diff_summed_aux"] > 1e-3
 
 
+@pytest.fixture(scope="module")
+def parallel_logits(tmp_path_factory, request) -> dict[str, dict]:
+    """tests/dist/moe_parallel.py's record of each (mode, implementation) case the session's tests of this file read,
+    by "mode:implementation": one launch for them all, each case's load in turn (a launch's start-up, 2 ranks'
+    imports, is most of a case's time)."""
+    from test_distributed import launch, torchrun
+
+    cases = sorted(
+        "{mode}:{implementation}".format(**item.callspec.params)
+        for item in request.session.items
+        if item.path == request.path and "parallel_logits" in item.fixturenames
+    )
+    folder = tmp_path_factory.mktemp("moe_parallel")
+    torch.manual_seed(0)
+    config = moe_config(vocab_size=98, mlp_only_layers=[0], shared_expert_intermediate_size=24)
+    TfmForCausalLM(config).save_pretrained(folder / "model")
+    out = folder / "result.json"
+    launch(torchrun("moe_parallel.py", str(folder / "model"), str(out), *cases), folder)
+    return json.loads(out.read_text())
+
+
 @pytest.mark.slow
 @pytest.mark.solo
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
 @pytest.mark.parametrize("mode", ["tp", "ep"])
-def test_tensor_and_expert_parallel_logits_equal_one_process(tmp_path, mode, implementation):
+def test_tensor_and_expert_parallel_logits_equal_one_process(parallel_logits, mode, implementation):
     """DistributedConfig(tp_size=2) shards each expert's width (packed [gate; up]); expert parallelism puts half the
     experts on each rank. Both give the single-process logits."""
-    from test_distributed import launch, torchrun
-
-    torch.manual_seed(0)
-    config = moe_config(vocab_size=98, mlp_only_layers=[0], shared_expert_intermediate_size=24)
-    TfmForCausalLM(config).save_pretrained(tmp_path / "model")
-    out = tmp_path / "result.json"
-    launch(torchrun("moe_parallel.py", str(tmp_path / "model"), str(out), mode, implementation), tmp_path)
-    result = json.loads(out.read_text())
+    result = parallel_logits[f"{mode}:{implementation}"]
     assert result["implementation"] == implementation
     if mode == "tp":
         assert result["local_gate_up_proj"] == [4, 16, 32] and result["local_num_experts"] == 4  # 2 x 16 / 2 ranks
