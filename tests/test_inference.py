@@ -87,7 +87,7 @@ def test_rounding_a_block_of_rows_at_a_time_is_the_whole_matrix_formula(bits):
     scale = grouped.abs().amax(dim=2).clamp(min=torch.finfo(torch.float32).tiny) / (127 if bits == 8 else 7.5)
     largest = 127 if bits == 8 else 7
     integers = torch.round(grouped / scale[..., None]).clamp(-largest - 1, largest).flatten(1).to(torch.int8)
-    assert torch.equal(q.integers(), integers) and torch.equal(q.weight_scale, scale)
+    assert torch.equal(q.integers(), integers) and torch.equal(q.scales(), scale)
     assert torch.equal(layer.weight, before)
 
 

@@ -23,7 +23,11 @@ from hf_tfm.inference.kernels import (
     int8_inputs_available,
     native_kernels_available,
     pack_int4,
+    pack_int4_tiles,
+    tile_scales,
     unpack_int4,
+    unpack_int4_tiles,
+    untile_scales,
     vector_isa,
 )
 from hf_tfm.inference.layers import ONEDNN, STREAMING_TOKENS, Int8StreamingLinear, StreamingLinear
@@ -48,28 +52,35 @@ def reference(x: torch.Tensor, integers: torch.Tensor, scale: torch.Tensor, inpu
 int8_inputs = pytest.mark.skipif(not int8_inputs_available(), reason="8-bit inputs need AVX-512 VNNI")
 
 
+def product(x: torch.Tensor, integers: torch.Tensor, scale: torch.Tensor, bits: int, input_bits: int) -> torch.Tensor:
+    """The kernel's product for weights stored as the layers store them: rows for 16-bit inputs, tiles for 8."""
+    if input_bits == 8:
+        return torch.ops.hf_tfm.int4_linear(x, pack_int4_tiles(integers), tile_scales(scale), integers.shape[0])
+    return torch.ops.hf_tfm.int_linear(x, pack_int4(integers) if bits == 4 else integers, scale, bits)
+
+
 @native
 @pytest.mark.parametrize(
     "bits, input_bits",
     [
         pytest.param(8, 16, id="int8"),
         pytest.param(4, 16, id="int4"),
-        pytest.param(4, 8, marks=int8_inputs, id="int4_by_int8"),
+        pytest.param(4, 8, marks=int8_inputs, id="int4_tiles"),
     ],
 )
 @pytest.mark.parametrize("tokens", [1, 2, 3, 8, 13])
 @pytest.mark.parametrize("groups", [1, 3])
 def test_kernel_computes_its_arithmetic(bits, input_bits, tokens, groups):
-    """Every row count (70: a remainder past the blocks of 4 rows), token count (pairs and a last one) and group
-    layout gives the reference's sums to float32 rounding, whatever the inputs' scale (a zero token included)."""
+    """Every row count (70: a remainder past the blocks of 4 rows, and of 2 tiles of 16, the last tile 6 rows),
+    token count (pairs and a last one; blocks of 4 and 1 to 3 left) and group layout gives the reference's sums to
+    float32 rounding, whatever the inputs' scale (a zero token included)."""
     torch.manual_seed(bits * 100 + tokens)
     inputs, largest = 192, 127 if bits == 8 else 7
     integers = torch.randint(-largest - 1, largest + 1, (70, inputs), dtype=torch.int8)
     scale = torch.rand(70, groups) + 0.01
     x = torch.randn(tokens, inputs) * torch.logspace(-3, 3, tokens)[:, None]
     x[0, :64] = 0  # a group of zeros: its scale is 0 and nothing may divide by it
-    weight = pack_int4(integers) if bits == 4 else integers
-    y = torch.ops.hf_tfm.int_linear(x, weight, scale, bits, input_bits)
+    y = product(x, integers, scale, bits, input_bits)
     expected = reference(x, integers, scale, input_bits)
     assert y.dtype == torch.float32 and y.shape == (tokens, 70)
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
@@ -99,8 +110,22 @@ def test_kernel_refuses_what_it_cannot_compute():
         torch.ops.hf_tfm.int_linear(torch.randn(1, 8192), torch.zeros(4, 8192, dtype=torch.int8), scale[:, :1], 8)
     with pytest.raises(RuntimeError, match="float32 inputs"):
         torch.ops.hf_tfm.int_linear(x.double(), torch.zeros(4, 128, dtype=torch.int8), scale, 8)
-    with pytest.raises(RuntimeError, match="input_bits must be 16"):  # int8 weights by int8 inputs: no such product
-        torch.ops.hf_tfm.int_linear(x, torch.zeros(4, 128, dtype=torch.int8), scale, 8, 8)
+
+
+@native
+@int8_inputs
+def test_int4_tiles_kernel_refuses_what_it_cannot_compute():
+    x, weight, scale = torch.randn(2, 128), torch.zeros(2, 16, 64, dtype=torch.uint8), torch.rand(2, 2, 16)
+    with pytest.raises(RuntimeError, match=r"128 inputs need weight tiles \(tiles, 16, 64\)"):
+        torch.ops.hf_tfm.int4_linear(x, weight[:, :8], scale, 32)
+    with pytest.raises(RuntimeError, match=r"scale \(tiles, groups, 16\)"):
+        torch.ops.hf_tfm.int4_linear(x, weight, scale[:, :, :8], 32)
+    with pytest.raises(RuntimeError, match="2 tiles hold 17 to 32 outputs, not 16"):  # a whole tile of padding
+        torch.ops.hf_tfm.int4_linear(x, weight, scale, 16)
+    with pytest.raises(RuntimeError, match="groups of a multiple of 64 inputs"):
+        torch.ops.hf_tfm.int4_linear(x, weight, torch.rand(2, 4, 16), 32)
+    with pytest.raises(RuntimeError, match="float32 inputs"):
+        torch.ops.hf_tfm.int4_linear(x.double(), weight, scale, 32)
 
 
 def compiled_in_one_graph(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -207,6 +232,18 @@ def test_int4_packing_round_trips():
     assert packed[0, 0].item() == (values[0, 0].item() + 8) | ((values[0, 32].item() + 8) << 4)
 
 
+def test_int4_tiles_round_trip():
+    values, scale = torch.randint(-8, 8, (21, 64), dtype=torch.int8), torch.rand(21, 2)
+    tiles = pack_int4_tiles(values)
+    assert tiles.dtype == torch.uint8 and tiles.shape == (2, 8, 64)
+    assert torch.equal(unpack_int4_tiles(tiles, 21), values)
+    assert tile_scales(scale).shape == (2, 2, 16) and torch.equal(untile_scales(tile_scales(scale), 21), scale)
+    # the layout int4_linear reads: in tile 1, inputs 8..15, byte 4 r + j holds row 16 + r's input 8 + j (low
+    # nibble) and 12 + j (high), + 8; the padding rows hold 0 (+ 8)
+    assert tiles[1, 1, 4 * 3 + 2].item() == (values[19, 10].item() + 8) | ((values[19, 14].item() + 8) << 4)
+    assert tiles[1, :, 4 * 5 :].eq(0x88).all()
+
+
 @native
 @pytest.mark.parametrize("bits", [8, 4])
 def test_layers_call_the_kernel_eagerly_and_compiled(bits):
@@ -215,21 +252,22 @@ def test_layers_call_the_kernel_eagerly_and_compiled(bits):
     torch.manual_seed(0)
     layer = nn.Linear(256, 96)
     q = Int8StreamingLinear.from_linear(layer, bits=bits)
-    assert q.native and q.bits == bits and q.weight_scale.shape == (96, 2)
-    assert q.weight.shape == ((96, 128) if bits == 4 else (96, 256))
+    # q4 rounds its inputs to 8 bits where the kernel takes them, its weights in tiles; a W4A16 checkpoint's layers
+    # keep 16, and rows
+    tiles = bits == 4 and int8_inputs_available()
+    assert q.native and q.bits == bits and q.input_bits == (8 if tiles else 16) and q.scales().shape == (96, 2)
+    assert q.weight.shape == ((6, 32, 64) if tiles else (96, 128) if bits == 4 else (96, 256))
     assert q.integers().abs().max() == (127 if bits == 8 else 8)
-    # q4 rounds its inputs to 8 bits where the kernel takes them; a W4A16 checkpoint's layers keep 16
-    assert q.input_bits == (8 if bits == 4 and int8_inputs_available() else 16)
-    assert Int8StreamingLinear(q.integers(), q.weight_scale, None).input_bits == 16
+    assert Int8StreamingLinear(q.integers(), q.scales(), None).input_bits == 16
     x = torch.randn(3, 256)
-    dequantized = q.integers().float().unflatten(1, (2, 128)).mul(q.weight_scale[..., None]).flatten(1)
+    dequantized = q.integers().float().unflatten(1, (2, 128)).mul(q.scales()[..., None]).flatten(1)
     with torch.no_grad():
         eager = q(x)
         compiled = compiled_in_one_graph(q, x)
         many = q(torch.cat([x, torch.randn(30, 256)]))[:3]  # a prompt's worth: each token on its own
         exact = nn.functional.linear(x, dequantized, layer.bias)
     assert torch.equal(eager, compiled) and torch.equal(eager, many)
-    expected = reference(x, q.integers(), q.weight_scale, q.input_bits) + layer.bias.double()
+    expected = reference(x, q.integers(), q.scales(), q.input_bits) + layer.bias.double()
     torch.testing.assert_close(eager.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     step = x.abs().amax(1, keepdim=True) / (2 ** (q.input_bits - 1) - 1)  # the coarsest group's
     assert ((eager - exact).abs() <= step / 2 * dequantized.abs().sum(1) + 1e-5).all()
@@ -332,7 +370,7 @@ def test_the_avx2_build_hands_a_long_prompt_to_onednn(bits):
     with torch.no_grad():  # compiled: the kernel's floats
         assert torch.equal(
             compiled_in_one_graph(q, x),
-            torch.ops.hf_tfm.int_linear(x, q.weight, q.weight_scale, bits, q.input_bits) + q.bias,
+            torch.ops.hf_tfm.int_linear(x, q.weight, q.weight_scale, bits) + q.bias,
         )
 
 
@@ -341,7 +379,7 @@ def test_the_avx2_build_computes_the_same_arithmetic():
     """The integer kernel's AVX2 build, forced where AVX-512 VNNI is there: this file's integer tests pass on it."""
     tests = (
         "(computes_its_arithmetic or overflow or refuses or layers_call or q4_compiled or operators or long_prompt)"
-        " and not float and not int4_by_int8"  # AVX-512 VNNI's alone
+        " and not float and not int4_tiles"  # AVX-512 VNNI's alone
     )
     env = {**os.environ, "HF_TFM_NATIVE_KERNELS": "avx2"}
     command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", tests]

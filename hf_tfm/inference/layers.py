@@ -18,7 +18,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
-from .kernels import GROUP_LIMIT, GROUP_MULTIPLE, pack_int4, unpack_int4
+from .kernels import (
+    GROUP_LIMIT,
+    GROUP_MULTIPLE,
+    TILE,
+    pack_int4,
+    pack_int4_tiles,
+    tile_scales,
+    unpack_int4,
+    unpack_int4_tiles,
+    untile_scales,
+)
 
 # Up to this many tokens (batch x length) a linear layer streams its weights with `(x * W).sum(-1)`; past it (a
 # prompt's prefill) a matrix product reuses each weight across tokens, which MKL's GEMM does better. Measured on the
@@ -124,35 +134,70 @@ class Int8StreamingLinear(nn.Module):
     `load_for_inference` converts them while loading)."""
 
     def __init__(
-        self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, int8_inputs: bool = False
+        self,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        int8_inputs: bool = False,
+        out_features: int | None = None,
     ) -> None:
-        """`weight`: the integers (out, in) as int8, or int4 ones already packed (out, in / 2) as uint8 (`pack_int4`,
-        as `concat` passes them); `scale`: (out, groups); `int8_inputs`: int4 weights' inputs rounded to 8 bits where
-        the kernel takes them (`kernels.int8_inputs_available`), as hf_tfm's q4 asks."""
+        """`weight`: the integers (out, in) as int8; or int4 ones already stored, as `from_linear` and `concat` pass
+        them: packed two to a byte ((out, in / 2) uint8, `pack_int4`), or in tiles of 16 rows ((tiles, in / 8, 64)
+        uint8, `pack_int4_tiles`) with `scale` tiled too ((tiles, groups, 16), `tile_scales`) and `out_features`
+        given. `scale`: (out, groups). `int8_inputs`: int4 weights' inputs rounded to 8 bits where the kernel takes
+        them (`kernels.int8_inputs_available`: `int4_linear`, on the weights in tiles), as hf_tfm's q4 asks."""
         super().__init__()
+        if weight.dim() == 3:  # tiles: kept where int4_linear runs, else the values
+            if int8_inputs and self._takes_tiles(weight.shape[1] * 8, scale.shape[1], scale.dtype, weight.device):
+                self._store(weight, scale, bias, out_features, bits=4, input_bits=8)
+                return
+            weight, scale = unpack_int4_tiles(weight, out_features), untile_scales(scale, out_features)
         packed = weight.dtype == torch.uint8
-        self.out_features, in_units = weight.shape[0], weight.shape[1] * (2 if packed else 1)
+        out_features, in_units = weight.shape[0], weight.shape[1] * (2 if packed else 1)
         groups = scale.shape[1]
         native = self._takes_kernel(in_units, groups, scale.dtype, weight.device)
         if native and in_units // groups > GROUP_LIMIT:  # one scale per row of many inputs: the same scale per 64
             scale = scale.repeat_interleave(in_units // groups // GROUP_MULTIPLE, dim=1)
-        self.native, self.in_features = native, in_units
-        # Long prompts take oneDNN's float32 product (see STREAMING_TOKENS) where the kernel is the AVX2 build
-        self.prompts_dequantized = native and ONEDNN and not kernels.float_kernel_available()
         # Storage: int4 values packed two to a byte (without loss) for the kernel, else a byte each
         if packed and not (native and in_units % 64 == 0):
             weight, packed = unpack_int4(weight), False
         if packed:
-            self.bits = 4
+            bits = 4
         else:
             low, high = torch.aminmax(weight)
             int4 = bool(low >= -8) and bool(high <= 7)
-            self.bits = 4 if native and int4 and in_units % 64 == 0 else 8
-            weight = pack_int4(weight) if self.bits == 4 else weight
-        self.input_bits = 8 if int8_inputs and self.bits == 4 and kernels.int8_inputs_available() else 16
-        self.register_buffer("weight", weight)  # (out, in * bits / 8)
-        self.register_buffer("weight_scale", scale)  # (out, groups) in the activations' dtype
+            bits = 4 if native and int4 and in_units % 64 == 0 else 8
+            if bits == 4 and int8_inputs and self._takes_tiles(in_units, scale.shape[1], scale.dtype, weight.device):
+                self._store(pack_int4_tiles(weight), tile_scales(scale), bias, out_features, bits=4, input_bits=8)
+                return
+            weight = pack_int4(weight) if bits == 4 else weight
+        self._store(weight, scale, bias, out_features, bits=bits, input_bits=16, native=native)
+
+    def _store(
+        self,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_features: int,
+        bits: int,
+        input_bits: int,
+        native: bool = True,
+    ) -> None:
+        """Keep the stored weights and scales: (out, in * bits / 8) and (out, groups), or for 8-bit inputs int4 tiles
+        (tiles, in / 8, 64) and (tiles, groups, 16)."""
+        self.out_features, self.bits, self.input_bits, self.native = out_features, bits, input_bits, native
+        self.in_features = weight.shape[1] * (8 if input_bits == 8 else 8 // bits)
+        # Long prompts take oneDNN's float32 product (see STREAMING_TOKENS) where the kernel is the AVX2 build
+        self.prompts_dequantized = native and ONEDNN and not kernels.float_kernel_available()
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", scale)  # in the activations' dtype
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def _takes_tiles(cls, inputs: int, groups: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether int4 weights of `inputs` in `groups` scale groups run on `int4_linear` (8-bit inputs)."""
+        takes = inputs // groups <= GROUP_LIMIT and cls._takes_kernel(inputs, groups, dtype, device)
+        return takes and kernels.int8_inputs_available()
 
     @staticmethod
     def _takes_kernel(inputs: int, groups: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -172,15 +217,21 @@ class Int8StreamingLinear(nn.Module):
         largest = 2 ** (bits - 1) - 1
         unit = largest + (bits == 4) / 2  # a group's largest magnitude over this is its scale
         groups = weight.shape[1] // group
-        # int4 for the kernel is packed block by block too (the storage the constructor would make)
+        # int4 for the kernel is packed block by block too (the storage the constructor would make): in tiles of 16
+        # rows for int4_linear, else two to a byte in each row
         packs = bits == 4 and weight.shape[1] % 64 == 0
         packs = packs and cls._takes_kernel(weight.shape[1], groups, weight.dtype, weight.device)
-        quantized = torch.empty(
-            weight.shape[0],
-            weight.shape[1] // (2 if packs else 1),
-            dtype=torch.uint8 if packs else torch.int8,
-            device=weight.device,
-        )
+        tiles = packs and cls._takes_tiles(weight.shape[1], groups, weight.dtype, weight.device)
+        if tiles:
+            tile_count = -(-weight.shape[0] // TILE)
+            quantized = torch.empty(tile_count, weight.shape[1] // 8, 4 * TILE, dtype=torch.uint8)  # on the CPU
+        else:
+            quantized = torch.empty(
+                weight.shape[0],
+                weight.shape[1] // (2 if packs else 1),
+                dtype=torch.uint8 if packs else torch.int8,
+                device=weight.device,
+            )
         scale = torch.empty(weight.shape[0], groups, device=weight.device, dtype=torch.float32)
         # A block of rows at a time: its temporaries stay in the cache (whole-matrix ones took 4 of the 6 s that
         # loading a 1.1B model as q4 took)
@@ -189,9 +240,14 @@ class Int8StreamingLinear(nn.Module):
             block = weight[rows].float().unflatten(1, (-1, group))  # (rows, groups, group)
             block_scale = block.abs().amax(dim=2).clamp(min=torch.finfo(torch.float32).tiny) / unit
             integers = (block / block_scale[..., None]).round_().clamp_(-largest - 1, largest).flatten(1)
-            quantized[rows] = pack_int4(integers) if packs else integers
+            if tiles:  # QUANTIZE_ROWS is a multiple of TILE: the block's tiles are whole but for the last one
+                quantized[start // TILE : -(-(start + QUANTIZE_ROWS) // TILE)] = pack_int4_tiles(integers)
+            else:
+                quantized[rows] = pack_int4(integers) if packs else integers
             scale[rows] = block_scale
         bias = None if linear.bias is None else linear.bias.detach().clone()
+        if tiles:
+            return cls(quantized, tile_scales(scale), bias, int8_inputs=True, out_features=weight.shape[0])
         return cls(quantized, scale.to(linear.weight.dtype), bias, int8_inputs=bits == 4)
 
     @classmethod
@@ -211,24 +267,41 @@ class Int8StreamingLinear(nn.Module):
         one pass (`fuse_projections`). Each output row is computed as in its own layer, to the bit. Their stored rows
         are stacked as they are: int4 rows stay packed."""
         bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
-        scale = torch.cat([layer.weight_scale for layer in layers])
-        stored = torch.cat([layer.weight for layer in layers])  # (out, in * bits / 8): packed int4 as uint8
-        return cls(stored, scale, bias, int8_inputs=all(layer.input_bits == 8 for layer in layers))
+        int8_inputs = all(layer.input_bits == 8 for layer in layers)
+        if int8_inputs and all(layer.out_features % TILE == 0 for layer in layers[:-1]):  # whole tiles
+            stored = torch.cat([layer.weight for layer in layers])  # (tiles, in / 8, 64)
+            scale = torch.cat([layer.weight_scale for layer in layers])
+            return cls(stored, scale, bias, True, out_features=sum(layer.out_features for layer in layers))
+        if int8_inputs:  # a layer's padded tile would lie between two layers' rows: tiled again
+            stored = torch.cat([layer.integers() for layer in layers])
+        else:
+            stored = torch.cat([layer.weight for layer in layers])  # (out, in * bits / 8): packed int4 as uint8
+        scale = torch.cat([layer.scales() for layer in layers])
+        return cls(stored, scale, bias, int8_inputs=int8_inputs)
 
     def integers(self) -> torch.Tensor:
         """The int8 values (out, in), unpacked."""
+        if self.input_bits == 8:
+            return unpack_int4_tiles(self.weight, self.out_features)
         return unpack_int4(self.weight) if self.bits == 4 else self.weight
+
+    def scales(self) -> torch.Tensor:
+        """The scales (out, groups)."""
+        return untile_scales(self.weight_scale, self.out_features) if self.input_bits == 8 else self.weight_scale
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The float weights (out, in): each integer times its row's or its group's scale."""
-        scale = self.weight_scale.to(dtype)  # (out, groups)
+        scale = self.scales().to(dtype)  # (out, groups)
         return (self.integers().unflatten(-1, (scale.shape[1], -1)) * scale[..., None]).flatten(-2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native and x.dtype == torch.float32 and x.device.type == "cpu":
             if self.prompts_dequantized and self._long_prompt(x):
                 return torch.ops.mkldnn._linear_pointwise(x, self.dequantized(x.dtype), self.bias, "none", [], "")
-            y = torch.ops.hf_tfm.int_linear(x, self.weight, self.weight_scale, self.bits, self.input_bits)
+            if self.input_bits == 8:
+                y = torch.ops.hf_tfm.int4_linear(x, self.weight, self.weight_scale, self.out_features)
+            else:
+                y = torch.ops.hf_tfm.int_linear(x, self.weight, self.weight_scale, self.bits)
             return y if self.bias is None else y + self.bias
         weight = self.dequantized(x.dtype)
         # Streamed, Inductor fuses the scaling into its loop and reads 1 byte a weight; else a dequantized product
