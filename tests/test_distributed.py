@@ -65,36 +65,55 @@ def test_torchrun_ddp_matches_single_process(tmp_path):
     assert_loadable_folder(tmp_path / "final")
 
 
+@pytest.fixture(scope="module")
+def fsdp2_runs(tmp_path_factory, request) -> dict[bool, Path]:
+    """tests/dist/train_fsdp.py over a tiny saved model per `tied` value the session's tests of this file read, all in
+    one launch (its start-up, 2 ranks' imports, is most of a model's time): each one's output folder, by `tied`."""
+    tied_values = sorted(
+        {
+            item.callspec.params["tied"]
+            for item in request.session.items
+            if item.path == request.path and "fsdp2_runs" in item.fixturenames
+        }
+    )
+    root = tmp_path_factory.mktemp("fsdp2")
+    folders = []
+    for tied in tied_values:
+        torch.manual_seed(0)
+        config = TfmConfig(
+            vocab_size=99,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=48,
+            max_position_embeddings=64,
+            tie_word_embeddings=tied,
+        )
+        TfmForCausalLM(config).save_pretrained(root / f"base-{tied}")
+        folders += [str(root / f"base-{tied}"), str(root / f"out-{tied}")]
+    launch(torchrun("train_fsdp.py", *folders), root)
+    return {tied: root / f"out-{tied}" for tied in tied_values}
+
+
 @pytest.mark.skipif(
     not TRAINER_TAKES_SHARDED_MODELS,
     reason="this transformers release's Trainer wraps a natively sharded model in DDP; 5.19 and newer take it",
 )
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_native_fsdp2_trains_sharded_and_saves_a_loadable_checkpoint(tmp_path, tied):
+def test_native_fsdp2_trains_sharded_and_saves_a_loadable_checkpoint(fsdp2_runs, tmp_path, tied):
     """DistributedConfig(fsdp_size=2): sharded params, Trainer == single process, saved folder loads without hf_tfm.
 
     Tied: transformers shards `lm_head` apart from `embed_tokens` and ties only after sharding, so without hf_tfm's
     fix step 2 already differs (4.297 vs 4.195); the saved model must still be tied (one stored matrix).
     """
-    torch.manual_seed(0)
-    config = TfmConfig(
-        vocab_size=99,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=48,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-    )
-    TfmForCausalLM(config).save_pretrained(tmp_path / "base")
-    launch(torchrun("train_fsdp.py", str(tmp_path / "base"), str(tmp_path / "out")), tmp_path)
-    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    out = fsdp2_runs[tied]
+    result = json.loads((out / "result.json").read_text())
     assert result["model_class"] == "FSDPTfmForCausalLM" and result["local_q_proj_shape"] == [16, 32]
     for loss, reference in zip(result["losses"], result["reference_losses"], strict=True):
         assert abs(loss - reference) < 1e-5
     assert result["max_weight_diff"] < 1e-5
 
-    final = tmp_path / "out" / "final"
+    final = out / "final"
     assert_loadable_folder(final)  # the FSDP2 save bug: auto_map -> "_fsdp_init.FSDP...", no modeling.py
     with safe_open(final / "model.safetensors", "pt") as weights:
         assert ("lm_head.weight" in set(weights.keys())) is not tied
@@ -126,28 +145,43 @@ def test_readme_accelerate_ddp_launch(tmp_path):
     assert_loadable_folder(tmp_path / "ddp")
 
 
+@pytest.fixture(scope="module")
+def tensor_parallel_logits(tmp_path_factory, request) -> dict[str, dict]:
+    """tests/dist/tp_logits.py's record of each head the session's tests of this file read, by head: a tiny tied model
+    of each, all loaded in one launch (its start-up, 2 ranks' imports, is most of a model's time)."""
+    heads = sorted(
+        item.callspec.params["head"]
+        for item in request.session.items
+        if item.path == request.path and "tensor_parallel_logits" in item.fixturenames
+    )
+    root = tmp_path_factory.mktemp("tensor_parallel")
+    for head in heads:
+        cls = TfmForCausalLM if head == "causal_lm" else TfmForMaskedLM
+        torch.manual_seed(0)
+        config = TfmConfig(
+            vocab_size=98,  # even: each rank holds half the vocabulary
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=48,
+            max_position_embeddings=64,
+            is_causal=head == "causal_lm",
+            initializer_range=0.2,
+        )
+        cls(config).save_pretrained(root / head)
+    launch(torchrun("tp_logits.py", str(root / "result.json"), *(str(root / head) for head in heads)), root)
+    results = json.loads((root / "result.json").read_text())
+    return {head: results[str(root / head)] for head in heads}
+
+
 @pytest.mark.parametrize("head", ["causal_lm", "masked_lm"])
-def test_tensor_parallel_shards_tied_head_with_its_embedding(tmp_path, head):
+def test_tensor_parallel_shards_tied_head_with_its_embedding(tensor_parallel_logits, head):
     """DistributedConfig(tp_size=2) on a tied head: one parameter, sharded on the vocabulary, logits == one process.
 
     Before the masked LM had a plan entry for `lm_head`, 5.24 sharded `embed_tokens` alone and the tied head failed
     ("aten.addmm.default got mixed torch.Tensor and DTensor").
     """
-    cls = TfmForCausalLM if head == "causal_lm" else TfmForMaskedLM
-    torch.manual_seed(0)
-    config = TfmConfig(
-        vocab_size=98,  # even: each rank holds half the vocabulary
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=48,
-        max_position_embeddings=64,
-        is_causal=head == "causal_lm",
-        initializer_range=0.2,
-    )
-    cls(config).save_pretrained(tmp_path / "model")
-    launch(torchrun("tp_logits.py", str(tmp_path / "model"), str(tmp_path / "result.json")), tmp_path)
-    result = json.loads((tmp_path / "result.json").read_text())
+    result = tensor_parallel_logits[head]
     assert result["shape"] == [1, 8, 98] and result["tied"]
     assert result["placements"] == ["(Shard(dim=0),)", "(Shard(dim=0),)"]
     assert result["max_logit_diff"] < 1e-5

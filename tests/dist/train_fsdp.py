@@ -1,10 +1,11 @@
 """Sharded training with transformers' native FSDP2 and Trainer, then a save:
-`torchrun --nproc_per_node 2 --standalone tests/dist/train_fsdp.py BASE_DIR OUT_DIR`.
+`torchrun --nproc_per_node 2 --standalone tests/dist/train_fsdp.py BASE_DIR OUT_DIR [BASE_DIR OUT_DIR ...]`, each pair
+in turn in this one process (a launch's start-up, 2 ranks' imports, is most of a model's time).
 
 BASE_DIR holds a saved tiny TfmForCausalLM, tied or untied (hf_tfm's `maybe_distribute_model` keeps a tied
-embed/lm_head pair one FSDP2 parameter; transformers alone trains it on stale weights from step 2). The script loads it with
-`DistributedConfig(fsdp_size=2)` (parameters become DTensors, each rank holding half), trains with Trainer, saves to
-OUT_DIR/final, and asserts (rank 0) that the step losses and the gathered weights equal a single-process run on the
+embed/lm_head pair one FSDP2 parameter; transformers alone trains it on stale weights from step 2). The script loads it
+with `DistributedConfig(fsdp_size=2)` (parameters become DTensors, each rank holding half), trains with Trainer, saves
+to OUT_DIR/final, and asserts (rank 0) that the step losses and the gathered weights equal a single-process run on the
 same global batch. Rank 0 writes OUT_DIR/result.json, with the reference model's logits on a fixed input, for a fresh
 process to compare against.
 """
@@ -27,7 +28,8 @@ STEPS = 3
 PROBE = [[5, 17, 42, 8, 91, 33, 3, 60]]
 
 
-def main(base_dir: str, out_dir: str) -> None:
+def train(base_dir: str, out_dir: str) -> None:
+    """One model: trained sharded, saved, compared (rank 0) with a single-process run; OUT_DIR/result.json."""
     model = AutoModelForCausalLM.from_pretrained(base_dir, distributed_config=DistributedConfig(fsdp_size=2))
     weight = model.model.layers[0].self_attn.q_proj.weight
     assert isinstance(weight, DTensor) and weight.to_local().shape[0] * 2 == weight.shape[0], "not sharded"
@@ -62,6 +64,11 @@ def main(base_dir: str, out_dir: str) -> None:
             json.dump(result, f)
         assert len(losses) == STEPS and max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-5, result
         assert weight_diff < 1e-5, weight_diff
+
+
+def main(*dirs: str) -> None:
+    for base_dir, out_dir in zip(dirs[::2], dirs[1::2], strict=True):
+        train(base_dir, out_dir)
     dist.barrier()
     # Everything is written: leave without C++ teardown. On CPU/gloo, torch 2.13 sometimes aborts at interpreter exit
     # ("terminate called without an active exception"), and destroy_process_group can hang once a peer has gone.
@@ -71,4 +78,4 @@ def main(base_dir: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])
