@@ -120,7 +120,7 @@ def runtimes(size: str, args: argparse.Namespace, bandwidth: dict) -> list[dict]
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         if args.cold:
-            return [cold_row(size, name, folder, model, tmp, args) for name in args.runtime_list]
+            return [cold_row(size, name, folder, tmp, args) for name in args.runtime_list]
         rows = [runtime_row(size, name, folder, model, tmp, args, bandwidth) for name in args.runtime_list]
     timings = {f"b{batch}": f"b{batch}_step_s" for batch in SHAPES[size]["decode_batches"]}
     add_speedups(rows, {**timings, **{f"ttft_p{length}": f"ttft_p{length}_s" for length in TTFT_PROMPTS}})
@@ -133,16 +133,13 @@ def runtime_row(
     """One runtime's row: its weights' bytes, ms per decode step at each batch size (and the time to the first token);
     its error instead when it does not run here."""
     shp, vocab = SHAPES[size], SIZES[size]["vocab"]
-    fmt, quantize, what = RUNTIME_SETTINGS[name]
+    fmt, _, what = RUNTIME_SETTINGS[name]
     row = {"size": size, "setting": name, "what": what}
     print(f"[bench] {size} runtime {name} ...", file=sys.stderr, flush=True)
     try:
-        path, weights = prepared(name, folder, model, tmp)
-        row["weight_bytes_per_step"] = _weight_bytes(fmt, path, weights)
-        # for hf_tfm, how to load the folder; an export holds its weights, and so does a calibrated checkpoint
-        request = {"format": fmt, "path": path, "quantize": None if quantize == CALIBRATED else quantize}
-        if not fmt.startswith("hf_tfm"):
-            del request["quantize"]
+        path = prepared(name, folder, tmp)
+        row["weight_bytes_per_step"] = _weight_bytes(fmt, path, loaded_weights(name, path, model))
+        request = _request(name, path)
         for batch in shp["decode_batches"]:
             prompts = random_prompts(batch, shp["prompt"], vocab, args.padded)
             decode = {**request, "prompts": prompts, "new": shp["new"], "rounds": args.rounds}
@@ -160,20 +157,24 @@ def runtime_row(
     return row
 
 
-def cold_row(size: str, name: str, folder: str, model: nn.Module, tmp: str, args: argparse.Namespace) -> dict:
+def cold_row(size: str, name: str, folder: str, tmp: str, args: argparse.Namespace) -> dict:
     """One runtime's cold starts (`runtime_worker.cold_start`), batch 1: a first process with an empty store of
     compiled steps (`first_*`; hf_tfm's `compile_s`: from its start until the step it compiles beside the decoding is
     stored), then a second process on the same store (`second_*`)."""
     shp, vocab = SHAPES[size], SIZES[size]["vocab"]
-    fmt, quantize, what = RUNTIME_SETTINGS[name]
+    fmt, _, what = RUNTIME_SETTINGS[name]
     row = {"size": size, "setting": name, "what": what, "new": COLD_TOKENS}
     print(f"[bench] {size} cold starts of {name} ...", file=sys.stderr, flush=True)
     try:
-        path, _ = prepared(name, folder, model, tmp)
+        path = prepared(name, folder, tmp)
+        if fmt == "hf_tfm+compile":
+            # hf_tfm's kernels (the compiled step calls them) are built once per machine and kernel source, as an
+            # install is: built here, so that neither process's time holds the C++ compiler's
+            from hf_tfm.inference.kernels import built_operators
+
+            built_operators()
         prompts = random_prompts(1, shp["prompt"], vocab)
-        request = {"format": fmt, "path": path, "mode": "cold", "prompts": prompts, "new": COLD_TOKENS}
-        if fmt.startswith("hf_tfm"):
-            request["quantize"] = None if quantize == CALIBRATED else quantize
+        request = _request(name, path, mode="cold", prompts=prompts, new=COLD_TOKENS)
         with tempfile.TemporaryDirectory() as store:
             for process in ("first", "second"):
                 spawned = time.time()
@@ -203,26 +204,44 @@ def failure(err: Exception) -> str:
     return message
 
 
-def prepared(name: str, folder: str, model: nn.Module, tmp: str) -> tuple[str, nn.Module]:
-    """What setting `name` runs (the saved folder, its export or its calibrated checkpoint) and the model whose
-    weights a step reads, as that setting loads them."""
+def prepared(name: str, folder: str, tmp: str) -> str:
+    """What setting `name` runs: the saved `folder`, its export or its calibrated checkpoint (written under `tmp`)."""
     fmt, quantize, _ = RUNTIME_SETTINGS[name]
     if not fmt.startswith("hf_tfm"):
         from hf_tfm.exporters import export
 
         out = os.path.join(tmp, name.replace(" ", "-") + (".gguf" if fmt == "gguf" else ""))
-        return str(export(folder, out, format=fmt, quantize=quantize)), model
+        return str(export(folder, out, format=fmt, quantize=quantize))
+    if quantize == CALIBRATED:
+        from hf_tfm.calibration import calibrate
+
+        return str(calibrate(folder, os.path.join(tmp, CALIBRATED), "rtn", python=calibration_python()))
+    return folder
+
+
+def loaded_weights(name: str, path: str, model: nn.Module) -> nn.Module:
+    """The model whose weights a step of setting `name` reads, as that setting loads `path` (`prepared`'s): `model`
+    (the float one) unless hf_tfm quantizes it or it is a calibrated checkpoint. An export's bytes are its files'."""
+    fmt, quantize, _ = RUNTIME_SETTINGS[name]
+    if not fmt.startswith("hf_tfm") or not quantize:
+        return model
     from hf_tfm import load_for_inference
 
-    if quantize == CALIBRATED:  # a checkpoint of its own; its layers as the compiled step streams them
-        from hf_tfm.calibration import calibrate
+    if quantize == CALIBRATED:  # its layers as the compiled step streams them
         from hf_tfm.inference import stream_compressed
 
-        path = str(calibrate(folder, os.path.join(tmp, CALIBRATED), "rtn", python=calibration_python()))
-        return path, stream_compressed(load_for_inference(path, compile=False))
-    if quantize:  # the weights as that setting loads them, to count their bytes
-        return folder, load_for_inference(folder, quantize=quantize, compile=False)
-    return folder, model
+        return stream_compressed(load_for_inference(path, compile=False))
+    return load_for_inference(path, quantize=quantize, compile=False)
+
+
+def _request(name: str, path: str, **fields) -> dict:
+    """The worker's request for setting `name` on `path` (`prepared`'s), with `fields`: for hf_tfm, how to load the
+    folder; an export holds its weights, and so does a calibrated checkpoint."""
+    fmt, quantize, _ = RUNTIME_SETTINGS[name]
+    request = {"format": fmt, "path": path, **fields}
+    if fmt.startswith("hf_tfm"):
+        request["quantize"] = None if quantize == CALIBRATED else quantize
+    return request
 
 
 def add_speedups(rows: list[dict], timings: dict[str, str]) -> None:
