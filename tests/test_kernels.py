@@ -223,6 +223,18 @@ def test_streaming_linear_takes_onednn_for_a_prompt(bias):
     assert "mkldnn._linear_pointwise" not in called and torch.equal(x.grad, x_ref.grad)
 
 
+@native
+def test_compile_caches_are_keyed_by_the_kernels_build():
+    """torch.compile's cache keys carry the build's digest (of the kernels' source): a graph cached against another
+    hf_tfm's operators (int_linear had 5 arguments before it had 4) is never reused, where Inductor alone keyed it by
+    the operators' names and then called the new one with the old arguments."""
+    tags = torch.compiler.config.cache_key_tag.split("|")
+    assert sum(tag.startswith("hf_tfm-kernels-") for tag in tags) == 1, tags
+    built_operators.cache_clear()
+    built_operators()  # built again (cached by torch's extension builder): the tag is not repeated
+    assert torch.compiler.config.cache_key_tag.split("|") == tags
+
+
 def test_int4_packing_round_trips():
     values = torch.randint(-8, 8, (5, 192), dtype=torch.int8)
     packed = pack_int4(values)
@@ -271,6 +283,21 @@ def test_layers_call_the_kernel_eagerly_and_compiled(bits):
     torch.testing.assert_close(eager.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     step = x.abs().amax(1, keepdim=True) / (2 ** (q.input_bits - 1) - 1)  # the coarsest group's
     assert ((eager - exact).abs() <= step / 2 * dequantized.abs().sum(1) + 1e-5).all()
+
+
+@native
+@pytest.mark.parametrize("rows", [(32, 16, 48), (70, 32, 6)], ids=["whole-tiles", "padded-tiles"])
+def test_concat_computes_each_layer_s_rows_to_the_bit(rows):
+    """`concat` (fuse_projections) gives each layer's outputs exactly: q4's tiles are stacked as they are, or tiled
+    again where a layer's last tile is padded (70 rows: 6 of padding would lie between two layers' rows)."""
+    torch.manual_seed(0)
+    layers = [Int8StreamingLinear.from_linear(nn.Linear(128, n), bits=4) for n in rows]
+    fused = Int8StreamingLinear.concat(layers)
+    assert fused.out_features == sum(rows) and fused.input_bits == layers[0].input_bits
+    assert torch.equal(fused.integers(), torch.cat([layer.integers() for layer in layers]))
+    x = torch.randn(5, 128)
+    with torch.no_grad():
+        assert torch.equal(fused(x), torch.cat([layer(x) for layer in layers], dim=-1))
 
 
 @native

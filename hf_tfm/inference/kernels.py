@@ -94,6 +94,7 @@ def built_operators() -> frozenset[str]:
     except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, a failed build
         logger.warning("hf_tfm's CPU kernels could not be built (%s): decoding uses slower formulas", error)
         return frozenset()
+    _tag_compile_caches(f"hf_tfm-kernels-{digest.hexdigest()[:12]}")
 
     @torch.library.register_fake("hf_tfm::int_linear")
     def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
@@ -112,6 +113,16 @@ def built_operators() -> frozenset[str]:
             return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     return frozenset(operators)
+
+
+def _tag_compile_caches(tag: str) -> None:
+    """Add this build's `tag` to torch.compile's cache keys (`torch.compiler.config.cache_key_tag`). Inductor's caches
+    key a graph by its operators' names, not their argument lists, and its generated code calls them with every
+    argument spelled out: after an upgrade that changed an operator's arguments, a graph cached by the older hf_tfm
+    would call it with the old ones and fail."""
+    tags = torch.compiler.config.cache_key_tag
+    if tag not in tags.split("|"):
+        torch.compiler.config.cache_key_tag = f"{tags}|{tag}" if tags else tag
 
 
 def native_kernels_available() -> bool:
