@@ -72,9 +72,7 @@ def test_performance_summary(tinyllama, base):
     )
     assert min(q8_ahead) > 1  # the words: q8 ahead at batch 8 and on prompts, behind at batch 1
     assert all(over(run, "llama.cpp q8_0", Q8, "b1_step_s") < 1 for run in (base, tinyllama))
-    # q4's prompts: ahead on TinyLlama's shape, behind on the smaller decoder
-    for key in PROMPTS:
-        assert over(tinyllama, "llama.cpp q4_0", Q4, key) > 1 > over(base, "llama.cpp q4_0", Q4, key)
+    assert min(q4_prompts) > 1  # q4's prompts: "ahead at both shapes"
 
 
 def test_performance_avx2_summary():
@@ -109,27 +107,31 @@ def test_fast_inference_summary(tinyllama, base):
         f"reads them at {span(q4_prompts)} the speed of its 4-bit types",
         f"batches of 8 at {over(tinyllama, 'llama.cpp q4_0', Q4, 'b8_step_s'):.2f}x Q4_0's",
     )
-    assert all(0.9 <= ratio <= 1.1 for ratio in q4_prompts)  # "prompts are level"
-    assert all(over(base, "llama.cpp q4_0", Q4, key) < 1 for key in ("b1_step_s", *PROMPTS))  # "llama.cpp is ahead"
+    assert min(q4_prompts) > 1  # "on prompts q4 is ahead"
+    # the base decoder: "the two decode one sequence at the same speed, and q4 reads prompts faster"
+    assert 0.95 <= over(base, "llama.cpp q4_0", Q4, "b1_step_s") <= 1.05
+    assert all(over(base, "llama.cpp q4_0", Q4, key) > 1 for key in PROMPTS)
 
 
 def test_llama_cpp_page_comparisons_hold(tinyllama, base):
     """docs/llama-cpp.md compares in words: each comparison holds in every run on Performance."""
     text = prose("llama-cpp")
-    assert "decoder llama.cpp's Q4_0 is faster than hf_tfm's `q4` in every measurement there" in text
-    assert "its `q4` decodes faster than llama.cpp's Q4_0 and Q4_K_M, one sequence or a batch of 8" in text
-    assert all(over(base, "llama.cpp q4_0", Q4, key) < 1 for key in ("b1_step_s", "b8_step_s", *PROMPTS))
+    assert "its `q4` reads prompts faster than llama.cpp's Q4_0 and Q4_K_M at both shapes measured" in text
+    assert "at TinyLlama-1.1B's shape decodes faster too, one sequence or a batch of 8" in text
     for theirs in ("llama.cpp q4_0", "llama.cpp q4_k_m"):
+        assert all(over(run, theirs, Q4, key) > 1 for run in (base, tinyllama) for key in PROMPTS), theirs
         assert all(over(tinyllama, theirs, Q4, key) > 1 for key in ("b1_step_s", "b8_step_s")), theirs
-    for run in (base, tinyllama):
-        llama_cpp = {setting: row["b1_step_s"] for setting, row in run.items() if setting.startswith("llama.cpp")}
-        assert min(llama_cpp, key=llama_cpp.get) == "llama.cpp q4_0"  # the fastest decoding
+    for run in (base, tinyllama):  # the fastest decoding: of a batch of 8, and of one sequence to within 1%
+        llama_cpp = {setting: row for setting, row in run.items() if setting.startswith("llama.cpp")}
+        assert min(llama_cpp, key=lambda setting: llama_cpp[setting]["b8_step_s"]) == "llama.cpp q4_0"
+        fastest = min(row["b1_step_s"] for row in llama_cpp.values())
+        assert llama_cpp["llama.cpp q4_0"]["b1_step_s"] <= 1.01 * fastest
     rows = json.loads((RESULTS / "quality_runtimes_small.json").read_text())["results"]
     gguf = {row["setting"]: row["perplexity"] for row in rows if row["setting"].startswith("gguf")}
     assert gguf["gguf_q4_k_m"] < gguf["gguf_q4_0"]  # q4_k_m: the least perplexity lost of the 4-bit types
     assert max(gguf, key=gguf.get) == "gguf_q4_0"  # the largest loss
     assert "the least perplexity lost of the 4-bit types" in text
-    assert "the fastest decoding, at the largest loss" in text
+    assert "the fastest decoding (of batches most of all), at the largest loss" in text
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -181,25 +183,29 @@ def test_speculative_prose_is_the_bench_results():
     """The sentences under the table: each figure recomputed from the results, each comparison true of every row."""
     rows = speculative_rows()
     by_setting = {setting: [row for row in rows if row["setting"] == setting] for setting in ("fp32", "q8", "q4")}
-    floats, q4 = by_setting["fp32"] + by_setting["q8"], by_setting["q4"]
-    fp32_cost, q4_cost = list(map(verify_cost, by_setting["fp32"])), list(map(verify_cost, q4))
+    costs = {setting: list(map(verify_cost, chosen)) for setting, chosen in by_setting.items()}
+    q4 = by_setting["q4"]
+
+    def costs_of(setting: str) -> str:
+        return f"{min(costs[setting]):.1f} to {max(costs[setting]):.1f}"
+
     assert_states(
         "speculative",
-        f"prompt lookup on copied text decodes {span([r['lookup_copied_speedup'] for r in floats])} faster",
-        f"a well-matched draft {span([r['assisted_speedup'] for r in floats])}",
-        f"({span([r['lookup_copied_speedup'] for r in q4])} with lookup, "
+        f"prompt lookup on copied text decodes {span([r['lookup_copied_speedup'] for r in rows])} faster",
+        f"a well-matched draft {span([r['assisted_speedup'] for r in rows])}",
+        f"(`q4`: {span([r['lookup_copied_speedup'] for r in q4])} with lookup, "
         f"{span([r['assisted_speedup'] for r in q4])} with a draft)",
-        f"a verify step of 9 tokens costs {min(q4_cost):.1f} to {max(q4_cost):.1f} one-token steps at `q4`, where a "
-        f"float32 one costs {min(fp32_cost):.1f} to {max(fp32_cost):.1f}",
+        f"a verify step of 9 tokens costs {costs_of('q8')} one-token steps at `q8`, {costs_of('q4')} at `q4` and "
+        f"{costs_of('fp32')} at float32",
         f"at {span([r['lookup_new_speedup'] for r in rows])} plain decoding's speed",
     )
-    # "both pay" at float32 and q8; at q4 "prompt lookup pays and a draft gains least", its verify step dearer
-    assert all(r["lookup_copied_speedup"] > 1.2 and r["assisted_speedup"] > 1.2 for r in floats)
-    assert all(r["lookup_copied_speedup"] > 1.2 for r in q4)
-    for row in q4:
-        others = [r["assisted_speedup"] for r in floats if r["size"] == row["size"]]
-        assert row["assisted_speedup"] < min(others), row["size"]
-    assert min(q4_cost) > max(fp32_cost)
+    # "both pay at every setting"; "they gain least at q8", whose verify step is the dearest
+    assert all(r["lookup_copied_speedup"] > 1.2 and r["assisted_speedup"] > 1.2 for r in rows)
+    for row in by_setting["q8"]:
+        others = [r for r in rows if r["size"] == row["size"] and r["setting"] != "q8"]
+        for name in ("lookup_copied_speedup", "assisted_speedup"):
+            assert row[name] < min(r[name] for r in others), (row["size"], name)
+    assert min(costs["q8"]) > max(costs["q4"]) > max(costs["fp32"])
     assert all(row["lookup_new_tokens_per_pass"] == 1.0 for row in rows)  # nothing proposed
 
 
