@@ -141,7 +141,7 @@ ONE_RELEASE = {
         "prompt-lookup generation through the compiled steps",
     ),
     "test_step_store.py": (
-        r"test_a_second_process|test_a_damaged_entry|test_each_batch_size|test_cli_compile",
+        CI_ONLY["test_step_store.py"][0],
         "the store's keys, files and processes are hf_tfm's own: tests/test_aot.py compiles through each release",
     ),
     "test_aot.py": (r"test_q4_greedy", "the q4 layers and kernel are hf_tfm's own: the float32 cases run the release"),
@@ -161,7 +161,7 @@ ONE_RELEASE = {
         "torchrun's rendezvous of two nodes is torch's; a node trains as the single-node tests do",
     ),
     "test_doc_pages.py": (
-        r"test_page_blocks_run\[speculative\]",
+        CI_ONLY["test_doc_pages.py"][0],
         "the page's calls are test_speculative.py's, whose fp32 case runs the release's assisted and prompt-lookup "
         "generation through the compiled steps on every release",
     ),
