@@ -1,10 +1,11 @@
 """Real DDP with Trainer on an MoE model: `torchrun --nproc_per_node 2 --standalone tests/dist/train_ddp_moe.py OUT`.
 
-Asserts, inside the run, that it really is distributed (world size 2, ParallelMode.DISTRIBUTED, DistributedDataParallel,
-gloo) and that both replicas end equal. Each rank records the batches it trained on; rank 0 then replays the steps by
-hand (the oracle): the cross-entropy summed over the step's label tokens of both ranks, plus each rank's aux loss
-weighted by its share of those tokens, one SGD step each. It writes OUT/result.json with the losses and the largest
-weight difference to that oracle, and to the oracle that sums the ranks' aux losses (what in-tree MoE models give).
+Asserts, inside the run, that it really is distributed (world size 2, ParallelMode.DISTRIBUTED,
+DistributedDataParallel, gloo) and that both replicas end equal. Each rank records the batches it trained on; rank 0
+then replays the steps by hand (the oracle): the cross-entropy summed over the step's label tokens of both ranks, plus
+each rank's aux loss weighted by its share of those tokens, one SGD step each. It writes OUT/result.json with the
+losses and the largest weight difference to that oracle, and to the oracle that sums the ranks' aux losses (what
+in-tree MoE models give).
 """
 
 import copy
