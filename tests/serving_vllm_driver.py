@@ -5,13 +5,16 @@ from its saved folder through `trust_remote_code`. One call runs a list of cases
 (vLLM's import and start-up are paid once; each case's engine is shut down before the next starts), and writes their
 results as JSON:
 
-    python serving_vllm_driver.py CASES.json RESULTS.json
+    python serving_vllm_driver.py RESULTS.json < CASES
 
-CASES is a list of `{"name", "mode", "request"}`. MODE is `generate` (offline `LLM.generate`), `embed` (pooling
-runner, `LLM.embed`), `classify` (pooling runner, `LLM.classify`) or `client` (the `openai` client against a running
-`vllm.entrypoints.openai.api_server`). RESULTS maps each name to its result, or to `{"error": traceback}` when the
-case raised; the log marks where each case starts with a line `=== case NAME ===`. The work sits under
-`if __name__ == "__main__":` because vLLM starts its engine core with spawn, which re-imports this file.
+CASES are JSON objects `{"name", "mode", "request"}`, one a line on stdin. vLLM is imported before the first is read
+and each case runs as its line arrives, so a caller can start this process first and send a case once its model exists
+(the tests calibrate a GPTQ checkpoint meanwhile); the results are written when stdin ends. MODE is `generate` (offline
+`LLM.generate`), `embed` (pooling runner, `LLM.embed`), `classify` (pooling runner, `LLM.classify`) or `client` (the
+`openai` client against a running `vllm.entrypoints.openai.api_server`). RESULTS maps each name to its result, or to
+`{"error": traceback}` when the case raised; the log marks where each case starts with a line `=== case NAME ===`. The
+work sits under `if __name__ == "__main__":` because vLLM starts its engine core with spawn, which re-imports this
+file.
 """
 
 import importlib.util
@@ -19,6 +22,7 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Iterable
 
 ENGINES = []  # every LLM made here, shut down explicitly before the interpreter exits
 
@@ -133,7 +137,7 @@ def client(request: dict) -> dict:
 MODES = {"generate": generate, "embed": embed, "classify": classify, "client": client}
 
 
-def run_cases(cases: list[dict]) -> dict:
+def run_cases(cases: Iterable[dict]) -> dict:
     """Each case's result by name; a case that raises records its traceback and the next one still runs."""
     results = {}
     for case in cases:
@@ -148,12 +152,13 @@ def run_cases(cases: list[dict]) -> dict:
 
 
 if __name__ == "__main__":
-    cases_path, results_path = sys.argv[1:3]
-    with open(cases_path) as file:
-        cases = json.load(file)
+    import vllm  # noqa: F401  (its import, ~15 s, runs while the caller still prepares the cases)
+
+    results_path = sys.argv[1]
     try:
+        results = run_cases(json.loads(line) for line in sys.stdin)
         with open(results_path, "w") as file:
-            json.dump(run_cases(cases), file)
+            json.dump(results, file)
     finally:
         _shutdown()
     # vLLM's engine threads can abort the interpreter's own teardown ("terminate called without an active

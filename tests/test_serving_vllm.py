@@ -11,6 +11,7 @@ proves that a folder saved by this transformers loads under vLLM's. Run: `make t
 Sizes: head_dim 32, the smallest head size vLLM's CPU attention kernel takes (vllm/v1/attention/backends/cpu_attn.py).
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -164,38 +165,64 @@ def reap_group(pgid: int, grace: float = 30.0) -> None:
         time.sleep(1.0)
 
 
-def run_driver(cases: list[dict], tmp_path: Path) -> tuple[dict | None, str]:
-    """Run the driver's cases in .venv-vllm, one process for all; return (results by name, or None on a non-zero
-    exit; the combined log).
+class Driver:
+    """The driver in .venv-vllm, started at once: vLLM's import runs while the caller prepares its cases, and each
+    case runs as soon as it is sent. `results()` ends the input and waits; leaving the `with` block before that (a
+    failure here) kills the driver.
 
     The driver gets a process group of its own, so a timeout or an interrupted test also ends vLLM's engine core.
     """
-    timeout = CASE_TIMEOUT * len(cases)
-    cases_path, results_path, log_path = (tmp_path / name for name in ("cases.json", "results.json", "driver.log"))
-    cases_path.write_text(json.dumps(cases))
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [str(VLLM_PYTHON), str(DRIVER), str(cases_path), str(results_path)],
-            cwd=tmp_path,
-            env=vllm_env(tmp_path),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.cases = 0
+        self.results_path, self.log_path = tmp_path / "results.json", tmp_path / "driver.log"
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [str(VLLM_PYTHON), str(DRIVER), str(self.results_path)],
+                cwd=tmp_path,
+                env=vllm_env(tmp_path),
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+
+    def __enter__(self) -> "Driver":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+            reap_group(self.proc.pid, grace=0.0)
+        with contextlib.suppress(BrokenPipeError):
+            self.proc.stdin.close()
+
+    def send(self, case: dict) -> None:
+        self.cases += 1
+        with contextlib.suppress(BrokenPipeError):  # the driver has exited: results() reports its exit code and log
+            self.proc.stdin.write(json.dumps(case) + "\n")
+            self.proc.stdin.flush()
+
+    def results(self) -> tuple[dict | None, str]:
+        """(results by name, or None on a non-zero exit; the combined log), once every sent case has run."""
+        timeout = CASE_TIMEOUT * self.cases
+        with contextlib.suppress(BrokenPipeError):  # as in send()
+            self.proc.stdin.close()
         try:
-            proc.wait(timeout=timeout)
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-            pytest.fail(f"vLLM driver subprocess timed out after {timeout} s:\n{log_path.read_text()[-6000:]}")
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+            pytest.fail(f"vLLM driver subprocess timed out after {timeout} s:\n{self.log_path.read_text()[-6000:]}")
         finally:
-            reap_group(proc.pid, grace=0.0 if proc.returncode is None else 30.0)
-    assert not group_alive(proc.pid), "vLLM driver subprocess left processes running"
-    output = log_path.read_text()
-    if proc.returncode != 0:
-        return None, output
-    return json.loads(results_path.read_text()), output
+            reap_group(self.proc.pid, grace=0.0 if self.proc.returncode is None else 30.0)
+        assert not group_alive(self.proc.pid), "vLLM driver subprocess left processes running"
+        output = self.log_path.read_text()
+        if self.proc.returncode != 0:
+            return None, output
+        return json.loads(self.results_path.read_text()), output
 
 
 def case_output(output: str, name: str) -> str:
@@ -217,26 +244,32 @@ def require(results: dict | None, output: str, name: str) -> dict:
 @pytest.fixture(scope="module")
 def offline(folders, tmp_path_factory) -> tuple[dict | None, str]:
     """Every offline case in one driver subprocess (vLLM's import and start-up once): the causal LM's greedy
-    generation, its GPTQ checkpoint's (where llm-compressor's environment exists), the encoder's embeddings and the
-    classifier's logits. The classifier goes last: its engine fails to start on vLLM 0.32 (see below)."""
+    generation, the encoder's embeddings, the causal LM's GPTQ checkpoint's generation (where llm-compressor's
+    environment exists) and the classifier's logits. The driver starts first: vLLM's import (and on a slow machine
+    the first cases) runs while the checkpoint is calibrated in llm-compressor's environment, instead of after it.
+    The classifier goes last: its engine fails to start on vLLM 0.32 (see below)."""
     tmp_path = tmp_path_factory.mktemp("vllm_offline")
     base = {"prompts": PROMPTS, "max_model_len": MAX_LEN}
     generate = {**base, "max_tokens": NEW_TOKENS}
-    cases = [{"name": "generate", "mode": "generate", "request": {**generate, "model": str(folders["causal_lm"][0])}}]
-    if LLMCOMPRESSOR_PYTHON.exists():
-        gptq = calibrate(
-            folders["causal_lm"][0],
-            tmp_path / "gptq",
-            "gptq",
-            samples=8,
-            max_length=64,
-            python=str(LLMCOMPRESSOR_PYTHON),
+    with Driver(tmp_path) as driver:
+        driver.send(
+            {"name": "generate", "mode": "generate", "request": {**generate, "model": str(folders["causal_lm"][0])}}
         )
-        request = {**generate, "model": str(gptq), "dtype": "bfloat16"}
-        cases.append({"name": "gptq", "mode": "generate", "request": request})
-    cases.append({"name": "embed", "mode": "embed", "request": {**base, "model": str(folders["encoder"][0])}})
-    cases.append({"name": "classify", "mode": "classify", "request": {**base, "model": str(folders["classifier"][0])}})
-    return run_driver(cases, tmp_path)
+        driver.send({"name": "embed", "mode": "embed", "request": {**base, "model": str(folders["encoder"][0])}})
+        if LLMCOMPRESSOR_PYTHON.exists():
+            gptq = calibrate(
+                folders["causal_lm"][0],
+                tmp_path / "gptq",
+                "gptq",
+                samples=8,
+                max_length=64,
+                python=str(LLMCOMPRESSOR_PYTHON),
+            )
+            request = {**generate, "model": str(gptq), "dtype": "bfloat16"}
+            driver.send({"name": "gptq", "mode": "generate", "request": request})
+        classify = {**base, "model": str(folders["classifier"][0])}
+        driver.send({"name": "classify", "mode": "classify", "request": classify})
+        return driver.results()
 
 
 def hf_greedy(model: TfmForCausalLM, ids: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
@@ -349,7 +382,8 @@ def test_openai_server_matches_transformers(folders, tokenizer, tmp_path):
         "--shutdown-timeout", "10",  # SIGTERM drains instead of force-killing the engine core (the default, 0 s)
     ]  # fmt: skip
     log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
+    # The client's driver starts beside the server: its start-up (vLLM's import) runs while the server's does.
+    with Driver(tmp_path) as driver, open(log_path, "w") as log:
         proc = subprocess.Popen(
             command,
             cwd=tmp_path,
@@ -359,18 +393,19 @@ def test_openai_server_matches_transformers(folders, tokenizer, tmp_path):
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: engine core and workers can be reaped together
         )
-    try:
-        wait_healthy(proc, port, log_path)
-        request = {
-            "base_url": f"http://127.0.0.1:{port}/v1",
-            "served_model": served,
-            "prompts": PROMPTS,
-            "chats": CHATS,
-            "max_tokens": NEW_TOKENS,
-        }
-        result = require(*run_driver([{"name": "client", "mode": "client", "request": request}], tmp_path), "client")
-    finally:
-        stop_server(proc, port)
+        try:
+            wait_healthy(proc, port, log_path)
+            request = {
+                "base_url": f"http://127.0.0.1:{port}/v1",
+                "served_model": served,
+                "prompts": PROMPTS,
+                "chats": CHATS,
+                "max_tokens": NEW_TOKENS,
+            }
+            driver.send({"name": "client", "mode": "client", "request": request})
+            result = require(*driver.results(), "client")
+        finally:
+            stop_server(proc, port)
     assert proc.returncode == 0, f"vLLM server exit code {proc.returncode}:\n{log_path.read_text()[-3000:]}"
     assert not group_alive(proc.pid), "vLLM server processes left running"
     assert not listening(port), f"something still listens on 127.0.0.1:{port}"
