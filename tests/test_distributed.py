@@ -52,17 +52,25 @@ def assert_loadable_folder(folder: Path) -> None:
     assert json.loads((folder / "config.json").read_text())["auto_map"] == EXPECTED_AUTO_MAP
 
 
-def test_torchrun_ddp_matches_single_process(tmp_path):
+@pytest.fixture(scope="module")
+def one_node_ddp(tmp_path_factory) -> Path:
+    """tests/dist/train_ddp.py on one node of 2 ranks: its output folder, read by the single-node test and, as the
+    reference, by the two-node one (one launch for both)."""
+    folder = tmp_path_factory.mktemp("one_node_ddp")
+    launch(torchrun("train_ddp.py", str(folder)), folder)
+    return folder
+
+
+def test_torchrun_ddp_matches_single_process(one_node_ddp):
     """2-process DDP with Trainer == one process on the same global batch (losses and weights), replicas equal."""
-    launch(torchrun("train_ddp.py", str(tmp_path)), tmp_path)
-    result = json.loads((tmp_path / "result.json").read_text())
+    result = json.loads((one_node_ddp / "result.json").read_text())
     assert result["world_size"] == 2 and result["parallel_mode"] == "ParallelMode.DISTRIBUTED"
     assert result["wrapper"] == "DistributedDataParallel" and result["replicas_equal"]
     assert len(result["losses"]) == 4 and result["losses"][-1] < result["losses"][0] - 0.5
     for loss, reference in zip(result["losses"], result["reference_losses"], strict=True):
         assert abs(loss - reference) < 1e-5
     assert result["max_weight_diff"] < 1e-5
-    assert_loadable_folder(tmp_path / "final")
+    assert_loadable_folder(one_node_ddp / "final")
 
 
 @pytest.fixture(scope="module")
@@ -187,11 +195,10 @@ def test_tensor_parallel_shards_tied_head_with_its_embedding(tensor_parallel_log
     assert result["max_logit_diff"] < 1e-5
 
 
-def test_two_torchrun_nodes_train_as_one_node(tmp_path):
+def test_two_torchrun_nodes_train_as_one_node(one_node_ddp, tmp_path):
     """Two `torchrun` launchers on this machine as two nodes of one process each (`--nnodes 2 --node_rank 0/1`,
     c10d rendezvous, as on two machines): DDP with Trainer gives the step losses of one node of 2 ranks (rtol 1e-6),
     which equal one process's (tests/dist/train_ddp.py asserts it)."""
-    launch(torchrun("train_ddp.py", str(tmp_path / "one")), tmp_path)
     rendezvous = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--rdzv_id", "hf-tfm"]
     script = [str(DIST / "train_ddp.py"), str(tmp_path / "two")]
 
@@ -208,7 +215,7 @@ def test_two_torchrun_nodes_train_as_one_node(tmp_path):
     for log in logs:
         log.close()
     assert codes == [0, 0], "\n".join((tmp_path / f"node{rank}.log").read_text()[-4000:] for rank in (0, 1))
-    one, two = (json.loads((tmp_path / name / "result.json").read_text()) for name in ("one", "two"))
+    one, two = (json.loads((folder / "result.json").read_text()) for folder in (one_node_ddp, tmp_path / "two"))
     assert two["world_size"] == 2 and two["wrapper"] == "DistributedDataParallel" and two["replicas_equal"]
     torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-6, atol=0)
 
