@@ -20,13 +20,13 @@ from hf_tfm.inference.attention import _attended_keys, decode_attention
 from hf_tfm.inference.kernels import (
     built_operators,
     float_kernel_available,
-    int8_inputs_available,
     native_kernels_available,
     pack_int4,
-    pack_int4_tiles,
+    pack_tiles,
     tile_scales,
+    tiles_available,
     unpack_int4,
-    unpack_int4_tiles,
+    unpack_tiles,
     untile_scales,
     vector_isa,
 )
@@ -49,52 +49,61 @@ def reference(x: torch.Tensor, integers: torch.Tensor, scale: torch.Tensor, inpu
     return (sums * (amax.double() / largest)[..., 0][:, None, :] * scale.double()[None]).sum(-1)
 
 
-int8_inputs = pytest.mark.skipif(not int8_inputs_available(), reason="8-bit inputs need AVX-512 VNNI")
+tiled = pytest.mark.skipif(not tiles_available(), reason="weights in tiles need AVX-512 VNNI")
 
 
-def product(x: torch.Tensor, integers: torch.Tensor, scale: torch.Tensor, bits: int, input_bits: int) -> torch.Tensor:
-    """The kernel's product for weights stored as the layers store them: rows for 16-bit inputs, tiles for 8."""
-    if input_bits == 8:
-        return torch.ops.hf_tfm.int4_linear(x, pack_int4_tiles(integers), tile_scales(scale), integers.shape[0])
+def product(x: torch.Tensor, integers: torch.Tensor, scale: torch.Tensor, bits: int, tiles: bool) -> torch.Tensor:
+    """The kernel's product for weights stored as the layers store them, in rows or in tiles."""
+    if tiles:
+        return torch.ops.hf_tfm.tile_linear(x, pack_tiles(integers, bits), tile_scales(scale), len(integers), bits)
     return torch.ops.hf_tfm.int_linear(x, pack_int4(integers) if bits == 4 else integers, scale, bits)
 
 
 @native
 @pytest.mark.parametrize(
-    "bits, input_bits",
+    "bits, tiles",
     [
-        pytest.param(8, 16, id="int8"),
-        pytest.param(4, 16, id="int4"),
-        pytest.param(4, 8, marks=int8_inputs, id="int4_tiles"),
+        pytest.param(8, False, id="int8"),
+        pytest.param(4, False, id="int4"),
+        pytest.param(8, True, marks=tiled, id="int8_tiles"),
+        pytest.param(4, True, marks=tiled, id="int4_tiles"),
     ],
 )
 @pytest.mark.parametrize("tokens", [1, 2, 3, 8, 13])
 @pytest.mark.parametrize("groups", [1, 3])
-def test_kernel_computes_its_arithmetic(bits, input_bits, tokens, groups):
+def test_kernel_computes_its_arithmetic(bits, tiles, tokens, groups):
     """Every row count (70: a remainder past the blocks of 4 rows, and of 2 tiles of 16, the last tile 6 rows),
     token count (pairs and a last one; blocks of 4 and 1 to 3 left) and group layout gives the reference's sums to
-    float32 rounding, whatever the inputs' scale (a zero token included)."""
+    float32 rounding, whatever the inputs' scale (a zero token included): inputs rounded to 16 bits, 8 for int4
+    tiles (q4's)."""
     torch.manual_seed(bits * 100 + tokens)
     inputs, largest = 192, 127 if bits == 8 else 7
     integers = torch.randint(-largest - 1, largest + 1, (70, inputs), dtype=torch.int8)
     scale = torch.rand(70, groups) + 0.01
     x = torch.randn(tokens, inputs) * torch.logspace(-3, 3, tokens)[:, None]
     x[0, :64] = 0  # a group of zeros: its scale is 0 and nothing may divide by it
-    y = product(x, integers, scale, bits, input_bits)
-    expected = reference(x, integers, scale, input_bits)
+    y = product(x, integers, scale, bits, tiles)
+    expected = reference(x, integers, scale, 8 if tiles and bits == 4 else 16)
     assert y.dtype == torch.float32 and y.shape == (tokens, 70)
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
 @native
-def test_a_long_row_with_one_scale_takes_groups_the_sums_cannot_overflow():
-    """A scale per row of 8192 inputs (a channel-wise compressed-tensors layer): the layer repeats it per 64 inputs,
-    so no int32 sum of the largest weights by the largest inputs overflows."""
-    integers = torch.full((8, 8192), 127, dtype=torch.int8)
+@pytest.mark.parametrize("inputs", [8192, 1024])
+def test_a_long_row_with_one_scale_takes_groups_the_sums_cannot_overflow(inputs):
+    """A scale per row of many inputs (a channel-wise compressed-tensors layer): past the kernel's group limit (4096
+    inputs in rows, 512 for int8 tiles, whose sums of a row lie in one lane) the layer repeats it per 64 inputs, so
+    no int32 sum of the largest weights by the largest inputs overflows."""
+    integers = torch.full((8, inputs), -128, dtype=torch.int8)
     layer = Int8StreamingLinear(integers, torch.full((8, 1), 0.01), None)
-    assert layer.native and layer.weight_scale.shape == (8, 128)
-    x = torch.ones(1, 8192)
-    torch.testing.assert_close(layer(x), torch.full((1, 8), 127 * 0.01 * 8192))
+    split = inputs > 4096 or layer.tiled
+    assert layer.native and layer.scales().shape == (8, inputs // 64 if split else 1)
+    x = torch.ones(1, inputs)
+    torch.testing.assert_close(layer(x), torch.full((1, 8), -128 * 0.01 * inputs))
+    if layer.tiled:  # the largest sum a group of 512 may hold: 512 products of -128 by 32767
+        weight, scale = pack_tiles(integers[:, :512], 8), tile_scales(torch.full((8, 1), 0.01))
+        y = torch.ops.hf_tfm.tile_linear(torch.ones(1, 512), weight, scale, 8, 8)
+        torch.testing.assert_close(y, torch.full((1, 8), -128 * 0.01 * 512))
 
 
 @native
@@ -113,19 +122,26 @@ def test_kernel_refuses_what_it_cannot_compute():
 
 
 @native
-@int8_inputs
-def test_int4_tiles_kernel_refuses_what_it_cannot_compute():
+@tiled
+def test_tiles_kernel_refuses_what_it_cannot_compute():
     x, weight, scale = torch.randn(2, 128), torch.zeros(2, 16, 64, dtype=torch.uint8), torch.rand(2, 2, 16)
-    with pytest.raises(RuntimeError, match=r"128 inputs need weight tiles \(tiles, 16, 64\)"):
-        torch.ops.hf_tfm.int4_linear(x, weight[:, :8], scale, 32)
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        torch.ops.hf_tfm.tile_linear(x, weight, scale, 32, 2)
+    with pytest.raises(RuntimeError, match=r"128 inputs need int4 weight tiles \(tiles, 16, 64\) of uint8"):
+        torch.ops.hf_tfm.tile_linear(x, weight[:, :8], scale, 32, 4)
+    with pytest.raises(RuntimeError, match=r"128 inputs need int8 weight tiles \(tiles, 32, 64\) of int8"):
+        torch.ops.hf_tfm.tile_linear(x, weight, scale, 32, 8)  # int4's tiles
     with pytest.raises(RuntimeError, match=r"scale \(tiles, groups, 16\)"):
-        torch.ops.hf_tfm.int4_linear(x, weight, scale[:, :, :8], 32)
+        torch.ops.hf_tfm.tile_linear(x, weight, scale[:, :, :8], 32, 4)
     with pytest.raises(RuntimeError, match="2 tiles hold 17 to 32 outputs, not 16"):  # a whole tile of padding
-        torch.ops.hf_tfm.int4_linear(x, weight, scale, 16)
+        torch.ops.hf_tfm.tile_linear(x, weight, scale, 16, 4)
     with pytest.raises(RuntimeError, match="groups of a multiple of 64 inputs"):
-        torch.ops.hf_tfm.int4_linear(x, weight, torch.rand(2, 4, 16), 32)
+        torch.ops.hf_tfm.tile_linear(x, weight, torch.rand(2, 4, 16), 32, 4)
     with pytest.raises(RuntimeError, match="float32 inputs"):
-        torch.ops.hf_tfm.int4_linear(x.double(), weight, scale, 32)
+        torch.ops.hf_tfm.tile_linear(x.double(), weight, scale, 32, 4)
+    x, weight = torch.randn(1, 1024), torch.zeros(1, 256, 64, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="int8 weights take groups of at most 512 inputs"):
+        torch.ops.hf_tfm.tile_linear(x, weight, torch.rand(1, 1, 16), 16, 8)
 
 
 def compiled_in_one_graph(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -244,16 +260,28 @@ def test_int4_packing_round_trips():
     assert packed[0, 0].item() == (values[0, 0].item() + 8) | ((values[0, 32].item() + 8) << 4)
 
 
-def test_int4_tiles_round_trip():
-    values, scale = torch.randint(-8, 8, (21, 64), dtype=torch.int8), torch.rand(21, 2)
-    tiles = pack_int4_tiles(values)
-    assert tiles.dtype == torch.uint8 and tiles.shape == (2, 8, 64)
-    assert torch.equal(unpack_int4_tiles(tiles, 21), values)
-    assert tile_scales(scale).shape == (2, 2, 16) and torch.equal(untile_scales(tile_scales(scale), 21), scale)
-    # the layout int4_linear reads: in tile 1, inputs 8..15, byte 4 r + j holds row 16 + r's input 8 + j (low
-    # nibble) and 12 + j (high), + 8; the padding rows hold 0 (+ 8)
-    assert tiles[1, 1, 4 * 3 + 2].item() == (values[19, 10].item() + 8) | ((values[19, 14].item() + 8) << 4)
-    assert tiles[1, :, 4 * 5 :].eq(0x88).all()
+@pytest.mark.parametrize("rows", [21, 32])
+def test_tiles_round_trip(rows):
+    """Both layouts of `pack_tiles`, with a padded last tile and without, written into a larger layer's slice too."""
+    int4, int8 = (
+        torch.randint(-8, 8, (rows, 64), dtype=torch.int8),
+        torch.randint(-128, 128, (rows, 64)).to(torch.int8),
+    )
+    scale = torch.rand(rows, 2)
+    tiles4, tiles8 = pack_tiles(int4, 4), pack_tiles(int8, 8)
+    assert tiles4.dtype == torch.uint8 and tiles4.shape == (2, 8, 64)
+    assert tiles8.dtype == torch.int8 and tiles8.shape == (2, 16, 64)
+    assert torch.equal(unpack_tiles(tiles4, rows), int4) and torch.equal(unpack_tiles(tiles8, rows), int8)
+    assert tile_scales(scale).shape == (2, 2, 16) and torch.equal(untile_scales(tile_scales(scale), rows), scale)
+    # int4: in tile 1, inputs 8..15, byte 4 r + j holds row 16 + r's input 8 + j (low nibble) and 12 + j (high), + 8
+    assert tiles4[1, 1, 4 * 3 + 2].item() == (int4[19, 10].item() + 8) | ((int4[19, 14].item() + 8) << 4)
+    # int8: in tile 1, inputs 8..11, byte 2 r + j holds row 16 + r's input 8 + j, byte 32 + 2 r + j its input 10 + j
+    assert tiles8[1, 2, 2 * 3 + 1].item() == int8[19, 9].item() and tiles8[1, 2, 32 + 6].item() == int8[19, 10]
+    if rows == 21:  # the padding rows hold 0 (+ 8 for int4)
+        assert tiles4[1, :, 4 * 5 :].eq(0x88).all() and tiles8[1, :, 2 * 5 : 32].eq(0).all()
+    larger = torch.zeros(3, 16, 64, dtype=torch.int8)
+    pack_tiles(int8, 8, out=larger[1:])
+    assert torch.equal(larger[1:], tiles8) and larger[0].eq(0).all()
 
 
 @native
@@ -264,11 +292,13 @@ def test_layers_call_the_kernel_eagerly_and_compiled(bits):
     torch.manual_seed(0)
     layer = nn.Linear(256, 96)
     q = Int8StreamingLinear.from_linear(layer, bits=bits)
-    # q4 rounds its inputs to 8 bits where the kernel takes them, its weights in tiles; a W4A16 checkpoint's layers
-    # keep 16, and rows
-    tiles = bits == 4 and int8_inputs_available()
-    assert q.native and q.bits == bits and q.input_bits == (8 if tiles else 16) and q.scales().shape == (96, 2)
-    assert q.weight.shape == ((6, 32, 64) if tiles else (96, 128) if bits == 4 else (96, 256))
+    # The weights in tiles where the kernel takes them, q4's by inputs rounded to 8 bits; a W4A16 checkpoint's int4
+    # layers keep 16, and rows
+    tiles = tiles_available()
+    assert q.native and q.bits == bits and q.tiled is tiles and q.scales().shape == (96, 2)
+    assert q.input_bits == (8 if tiles and bits == 4 else 16)
+    shapes = {(True, 4): (6, 32, 64), (True, 8): (6, 64, 64), (False, 4): (96, 128), (False, 8): (96, 256)}
+    assert q.weight.shape == shapes[tiles, bits]
     assert q.integers().abs().max() == (127 if bits == 8 else 8)
     assert Int8StreamingLinear(q.integers(), q.scales(), None).input_bits == 16
     x = torch.randn(3, 256)
@@ -286,14 +316,18 @@ def test_layers_call_the_kernel_eagerly_and_compiled(bits):
 
 
 @native
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("rows", [(32, 16, 48), (70, 32, 6)], ids=["whole-tiles", "padded-tiles"])
-def test_concat_computes_each_layer_s_rows_to_the_bit(rows):
-    """`concat` (fuse_projections) gives each layer's outputs exactly: q4's tiles are stacked as they are, or tiled
-    again where a layer's last tile is padded (70 rows: 6 of padding would lie between two layers' rows)."""
+def test_concat_computes_each_layer_s_rows_to_the_bit(rows, bits):
+    """`concat` (fuse_projections) gives each layer's outputs exactly: tiles are stacked as they are, or tiled again
+    where a layer's last tile is padded (70 rows: 6 of padding would lie between two layers' rows)."""
     torch.manual_seed(0)
-    layers = [Int8StreamingLinear.from_linear(nn.Linear(128, n), bits=4) for n in rows]
+    layers = [Int8StreamingLinear.from_linear(nn.Linear(128, n), bits=bits) for n in rows]
     fused = Int8StreamingLinear.concat(layers)
-    assert fused.out_features == sum(rows) and fused.input_bits == layers[0].input_bits
+    assert fused.out_features == sum(rows) and (fused.input_bits, fused.tiled) == (
+        layers[0].input_bits,
+        layers[0].tiled,
+    )
     assert torch.equal(fused.integers(), torch.cat([layer.integers() for layer in layers]))
     x = torch.randn(5, 128)
     with torch.no_grad():
@@ -372,7 +406,7 @@ def test_the_build_has_the_operators_of_the_cpus_instruction_set():
     layers keep oneDNN's and Inductor's products."""
     avx2 = os.environ.get("HF_TFM_NATIVE_KERNELS") == "avx2" or not AVX512_VNNI
     assert built_operators() == ({"int_linear"} if avx2 else {"int_linear", "float_linear"})
-    assert vector_isa() == ("AVX2" if avx2 else "AVX-512 VNNI") and int8_inputs_available() is not avx2
+    assert vector_isa() == ("AVX2" if avx2 else "AVX-512 VNNI") and tiles_available() is not avx2
     assert StreamingLinear.from_linear(nn.Linear(64, 8)).native is not avx2
 
 
@@ -406,7 +440,7 @@ def test_the_avx2_build_computes_the_same_arithmetic():
     """The integer kernel's AVX2 build, forced where AVX-512 VNNI is there: this file's integer tests pass on it."""
     tests = (
         "(computes_its_arithmetic or overflow or refuses or layers_call or q4_compiled or operators or long_prompt)"
-        " and not float and not int4_tiles"  # AVX-512 VNNI's alone
+        " and not float and not tiles"  # AVX-512 VNNI's alone
     )
     env = {**os.environ, "HF_TFM_NATIVE_KERNELS": "avx2"}
     command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", tests]

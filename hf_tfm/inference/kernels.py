@@ -1,28 +1,32 @@
 """hf_tfm's native CPU kernels for decoding, compiled for this machine's CPU on first use (about 10 s, then cached by
-torch's extension builder): `torch.ops.hf_tfm.int_linear` (inference/csrc/int_linear.cpp) for integer weights, and
-`torch.ops.hf_tfm.float_linear` (inference/csrc/float_linear.cpp) for float32 weights and a few tokens.
+torch's extension builder): `torch.ops.hf_tfm.tile_linear` and `int_linear` (inference/csrc/int_linear.cpp) for
+integer weights, and `torch.ops.hf_tfm.float_linear` (inference/csrc/float_linear.cpp) for float32 weights and a few
+tokens.
 
-`int_linear(x, weight, scale, bits)` multiplies a few tokens `x` (..., in) in float32 by int8 weights (`bits=8`,
-(out, in)) or int4 weights packed two to a byte (`bits=4`, (out, in / 2), `pack_int4`), each with a float32 scale per
-group of inputs (`scale` (out, groups); a group is a multiple of 64 inputs, at most 4096). Each token's inputs are
-rounded to int16 with a scale per group (a relative error of 2^-16: the weights' rounding is the only loss, as GPTQ /
-AWQ's "W4A16" promises), integer multiply-adds take the products, and one token's product reads the weights at the
-memory's streaming rate.
+`tile_linear(x, weight, scale, out_features, bits)`, where `tiles_available()` (AVX-512 VNNI), multiplies a few tokens
+`x` (..., in) in float32 by integer weights in tiles of 16 rows (`pack_tiles`: int4 (tiles, in / 8, 64) uint8, int8
+(tiles, in / 4, 64) int8), each with a float32 scale per group of inputs (`tile_scales`: (tiles, groups, 16); a group
+is a multiple of 64 inputs, at most 4096, at most 512 for int8). One instruction multiplies a few inputs of a token
+by 16 rows' weights at once, so a group's scaling is a few vector instructions for 16 rows, a block of tokens reuses
+each loaded weight, and one token reads a single stream of weights at the memory's streaming rate:
+- int4 weights (hf_tfm's q4) by each token's inputs rounded to int8 per group, as llama.cpp rounds them for its Q4_0
+  (`vpdpbusd`: prompts and verify steps run at 2.5x the products a second of rows of weights);
+- int8 weights (q8, q4's `lm_head`, int8 checkpoints) by inputs rounded to int16 per group (a relative error of
+  2^-16: the weights' rounding is the only loss, as W8A16 promises; `vpdpwssd`).
 
-`int4_linear(x, weight, scale, out_features)`, where `int8_inputs_available()` (AVX-512 VNNI), is hf_tfm's q4: int4
-weights in tiles of 16 rows (`pack_int4_tiles`: (tiles, in / 8, 64) uint8, the scales (tiles, groups, 16)
-`tile_scales`) by each token's inputs rounded to int8 per group, as llama.cpp rounds them for its Q4_0. A `vpdpbusd`
-multiplies 4 inputs by 16 rows' weights at once, so prompts and verify steps run at 2.5x the products a second of
-`int_linear`'s rows, and one token reads the weights faster too. Both are registered operators with fake (shape)
-implementations: `torch.compile` calls them from the compiled step without a graph break.
+`int_linear(x, weight, scale, bits)` takes the weights row by row: int8 (`bits=8`, (out, in)) or int4 packed two to a
+byte (`bits=4`, (out, in / 2), `pack_int4`), scales (out, groups), inputs rounded to int16 per group: GPTQ / AWQ int4
+checkpoints (W4A16) on AVX-512 VNNI, and every integer layer on AVX2. Both are registered operators with fake
+(shape) implementations: `torch.compile` calls them from the compiled step without a graph break.
 
 `float_linear(x, weight)` multiplies a few tokens (a batch decoding together, a short prompt) by float32 weights
 (out, in), `in` a multiple of 16, reading each weight from memory once for all of them. MKL's GEMM, made for more
 tokens, read the bench's base-shape matrices at half the rate on this project's AMD EPYC (8 tokens: 41 ms, against 22
 here; 32 tokens: 67 against 52). `StreamingLinear` calls it for 2 to 32 tokens.
 
-They need a C++ compiler, and `int_linear` AVX2 or AVX-512 VNNI, `float_linear` AVX-512 VNNI. Where one is missing,
-or `HF_TFM_NATIVE_KERNELS=0`, `native_kernels_available()` (`int_linear`) or `float_kernel_available()` is False:
+They need a C++ compiler, and `int_linear` AVX2 or AVX-512 VNNI, `tile_linear` and `float_linear` AVX-512 VNNI.
+Where one is missing, or `HF_TFM_NATIVE_KERNELS=0`, `native_kernels_available()` (`int_linear`),
+`tiles_available()` or `float_kernel_available()` is False:
 `Int8StreamingLinear` keeps its compiled float formula and `StreamingLinear` MKL's product.
 `HF_TFM_NATIVE_KERNELS=avx2` builds the integer kernel's AVX2 code on a CPU with AVX-512 (the tests compare both).
 """
@@ -40,7 +44,9 @@ logger = logging.get_logger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 GROUP_MULTIPLE = 64  # inputs: a scale group of the kernel is a multiple of this
 GROUP_LIMIT = 4096  # inputs: and at most this many (its int32 sums would overflow past about 8192)
-TILE = 16  # rows: int4_linear's weights are stored in tiles of this many rows
+TILE = 16  # rows: tile_linear's weights are stored in tiles of this many rows
+TILE_INT8_GROUP_LIMIT = 512  # inputs: tile_linear's int8 groups (a row's int32 sum of 16-bit products, in one lane)
+TILE_INPUTS = {4: 8, 8: 4}  # bits: the inputs of a step of 64 bytes of a tile
 
 
 def cpu_fingerprint() -> str:
@@ -100,10 +106,12 @@ def built_operators() -> frozenset[str]:
     def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
-    if vector_isa() == "AVX-512 VNNI":  # int_linear.cpp's AVX-512 build defines int4_linear too
+    if vector_isa() == "AVX-512 VNNI":  # int_linear.cpp's AVX-512 build defines tile_linear too
 
-        @torch.library.register_fake("hf_tfm::int4_linear")
-        def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
+        @torch.library.register_fake("hf_tfm::tile_linear")
+        def _(
+            x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_features: int, bits: int
+        ) -> torch.Tensor:
             return x.new_empty(*x.shape[:-1], out_features)
 
     if "float_linear" in operators:
@@ -135,9 +143,9 @@ def float_kernel_available() -> bool:
     return "float_linear" in built_operators()
 
 
-def int8_inputs_available() -> bool:
-    """Whether `int4_linear` is there (int4 tiles by 8-bit inputs: `vpdpbusd`'s unsigned-by-signed bytes): the
-    AVX-512 VNNI build, where it is built (`built_operators`)."""
+def tiles_available() -> bool:
+    """Whether `tile_linear` is there (integer weights in tiles of 16 rows): the AVX-512 VNNI build, where it is built
+    (`built_operators`)."""
     return vector_isa() == "AVX-512 VNNI" and native_kernels_available()
 
 
@@ -157,30 +165,50 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return (nibbles.to(torch.int8) - 8).reshape(out, half * 2)
 
 
-def pack_int4_tiles(values: torch.Tensor) -> torch.Tensor:
-    """int4 values (out, in) in [-8, 7], `in` a multiple of 8, as `int4_linear` reads them: (tiles, in / 8, 64)
-    uint8, the rows in tiles of 16 (the last padded with zeros). For inputs k..k+7 of a tile, byte 4 r + j holds row
-    r's input k + j plus 8 in its low nibble and input k + 4 + j plus 8 in its high one."""
-    out, inputs = values.shape
-    tiles = -(-out // TILE)
-    padded = values.new_zeros(tiles * TILE, inputs)
-    padded[:out] = values
-    biased = (padded.to(torch.int8) + 8).view(torch.uint8).view(tiles, TILE, inputs // 8, 2, 4)  # 0..15
-    packed = biased[:, :, :, 0] | (biased[:, :, :, 1] << 4)  # (tiles, rows, runs of 8, 4)
-    return packed.transpose(1, 2).reshape(tiles, inputs // 8, 4 * TILE)
+def pack_tiles(values: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Integer values (out, in) in [-8, 7] (`bits=4`) or [-128, 127] (`bits=8`), `in` a multiple of 8, as
+    `tile_linear` reads them: the rows in tiles of 16, the last padded with zeros, each tile a step of 64 bytes for
+    the next 8 (int4) or 4 (int8) inputs k.., in two halves. int4: (tiles, in / 8, 64) uint8, byte 4 r + j holds row
+    r's input k + j plus 8 in its low nibble and input k + 4 + j plus 8 in its high one. int8: (tiles, in / 4, 64)
+    int8, byte 2 r + j holds row r's input k + j, byte 32 + 2 r + j its input k + 2 + j. Written into `out` where it
+    is given (a slice of a larger layer's tiles)."""
+    rows, inputs = values.shape
+    tiles, steps = -(-rows // TILE), inputs // TILE_INPUTS[bits]
+    if rows % TILE:  # only a last tile that is not whole needs a padded copy
+        values = torch.cat([values, values.new_zeros(tiles * TILE - rows, inputs)])
+    if bits == 4:
+        # A row's 8 values of a step, plus 8 (0..15), as one int64: its low word or'd with its high one shifted by a
+        # nibble is the step's 4 bytes of that row (each byte's high nibble is 0: nothing carries)
+        biased = (values.to(torch.int8) + 8).contiguous().view(torch.int64)  # (rows, steps); x86: little-endian
+        halves = ((biased & 0xFFFFFFFF) | ((biased >> 32) << 4)).view(torch.int32)[:, 0::2]  # the low words
+        halves = halves.view(tiles, TILE, steps, 1)
+        order = (0, 2, 1, 3)  # (tiles, rows, steps, 1) -> (tiles, steps, rows, 1)
+    else:
+        # a row's half of a step: 2 bytes
+        halves = values.to(torch.int8).contiguous().view(tiles, TILE, steps, 2, 2).view(torch.int16)
+        order = (0, 2, 3, 1, 4)  # (tiles, rows, steps, halves, 1) -> (tiles, steps, halves, rows, 1)
+    dtype = torch.uint8 if bits == 4 else torch.int8
+    if out is None:
+        out = torch.empty(tiles, steps, 64, dtype=dtype, device=values.device)
+    # The transposition moves whole 4- or 2-byte units of a row: a copy of a quarter or half as many elements
+    out.view(torch.int32 if bits == 4 else torch.int16).view(halves.permute(order).shape).copy_(halves.permute(order))
+    return out
 
 
-def unpack_int4_tiles(packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The int8 values (out, in) that `pack_int4_tiles` packed."""
-    tiles, runs, _ = packed.shape
-    bytes_ = packed.view(tiles, runs, TILE, 1, 4)
-    nibbles = torch.cat([bytes_ & 0x0F, bytes_ >> 4], dim=3)  # (tiles, runs, rows, 2, 4)
-    values = (nibbles.to(torch.int8) - 8).transpose(1, 2).reshape(tiles * TILE, runs * 8)
-    return values[:out_features]
+def unpack_tiles(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The int8 values (out, in) that `pack_tiles` packed (int4 tiles are uint8, int8 ones int8)."""
+    tiles, steps, _ = packed.shape
+    if packed.dtype == torch.uint8:
+        bytes_ = packed.view(tiles, steps, TILE, 1, 4)
+        nibbles = torch.cat([bytes_ & 0x0F, bytes_ >> 4], dim=3)  # (tiles, steps, rows, halves, 4)
+        values = (nibbles.to(torch.int8) - 8).transpose(1, 2)
+    else:
+        values = packed.view(tiles, steps, 2, TILE, 2).permute(0, 3, 1, 2, 4)  # (tiles, rows, steps, halves, 2)
+    return values.reshape(tiles * TILE, -1)[:out_features]
 
 
 def tile_scales(scale: torch.Tensor) -> torch.Tensor:
-    """Scales (out, groups) as `int4_linear` reads them: (tiles, groups, 16), the last tile padded with zeros."""
+    """Scales (out, groups) as `tile_linear` reads them: (tiles, groups, 16), the last tile padded with zeros."""
     out, groups = scale.shape
     tiles = -(-out // TILE)
     padded = scale.new_zeros(tiles * TILE, groups)
@@ -197,16 +225,18 @@ __all__ = [
     "GROUP_LIMIT",
     "GROUP_MULTIPLE",
     "TILE",
+    "TILE_INPUTS",
+    "TILE_INT8_GROUP_LIMIT",
     "built_operators",
     "cpu_fingerprint",
     "float_kernel_available",
-    "int8_inputs_available",
     "native_kernels_available",
     "pack_int4",
-    "pack_int4_tiles",
+    "pack_tiles",
     "tile_scales",
+    "tiles_available",
     "unpack_int4",
-    "unpack_int4_tiles",
+    "unpack_tiles",
     "untile_scales",
     "vector_isa",
 ]

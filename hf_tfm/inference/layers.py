@@ -22,11 +22,12 @@ from .kernels import (
     GROUP_LIMIT,
     GROUP_MULTIPLE,
     TILE,
+    TILE_INT8_GROUP_LIMIT,
     pack_int4,
-    pack_int4_tiles,
+    pack_tiles,
     tile_scales,
     unpack_int4,
-    unpack_int4_tiles,
+    unpack_tiles,
     untile_scales,
 )
 
@@ -121,14 +122,15 @@ class Int8StreamingLinear(nn.Module):
     128 inputs, the bytes of llama.cpp's Q8_0) and q4 (`from_linear(bits=4)`), and a GPTQ / AWQ checkpoint's int4 or
     int8 values (`from_compressed`).
 
-    On a CPU with float32 inputs it calls hf_tfm's native kernel (`hf_tfm.inference.kernels`: AVX-512 VNNI's or AVX2's
-    integer multiply-adds, each token's inputs rounded per group to `input_bits`: 8 for q4's int4 weights where the
-    kernel takes them, else 16, as a W4A16 / W8A16 checkpoint promises), eagerly and compiled, for a step and a prompt
-    alike (faster than dequantizing up to 512 tokens at least with AVX-512 VNNI; the AVX2 build hands prompts past
-    `STREAMING_TOKENS["int kernel, AVX2"]` to oneDNN); int4 weights are
-    then packed two to a byte (`weight` (out, in / 2) uint8, `bits == 4`). Without that kernel (another CPU or device,
-    other inputs, groups that are not multiples of 64), int4 values stay one to a byte (`bits == 8`), the compiled step
-    streams up to 8 tokens with a formula Inductor fuses, and more take the dequantized matrix product.
+    On a CPU with float32 inputs it calls hf_tfm's native kernels (`hf_tfm.inference.kernels`), eagerly and compiled,
+    for a step and a prompt alike, each token's inputs rounded per group to `input_bits`: with AVX-512 VNNI,
+    `tile_linear` on the weights in tiles of 16 rows (`tiled`), int8 weights by 16-bit inputs and q4's int4 weights by
+    8-bit inputs, as llama.cpp's Q4_0 takes them; else `int_linear` on the weights row by row, by 16-bit inputs (a
+    GPTQ / AWQ int4 checkpoint's W4A16, and every layer on AVX2, whose build hands prompts past
+    `STREAMING_TOKENS["int kernel, AVX2"]` to oneDNN). int4 weights are then packed two to a byte. Without a kernel
+    (another CPU or device, other inputs, groups that are not multiples of 64), the values stay one to a byte
+    (`bits == 8`), the compiled step streams up to 8 tokens with a formula Inductor fuses, and more take the
+    dequantized matrix product.
 
     Decoding only: its state dict cannot be saved (a checkpoint keeps the float or compressed-tensors weights, and
     `load_for_inference` converts them while loading)."""
@@ -141,24 +143,23 @@ class Int8StreamingLinear(nn.Module):
         int8_inputs: bool = False,
         out_features: int | None = None,
     ) -> None:
-        """`weight`: the integers (out, in) as int8; or int4 ones already stored, as `from_linear` and `concat` pass
-        them: packed two to a byte ((out, in / 2) uint8, `pack_int4`), or in tiles of 16 rows ((tiles, in / 8, 64)
-        uint8, `pack_int4_tiles`) with `scale` tiled too ((tiles, groups, 16), `tile_scales`) and `out_features`
+        """`weight`: the integers (out, in) as int8; or as `from_linear` and `concat` store them: int4 packed two to a
+        byte ((out, in / 2) uint8, `pack_int4`), or in tiles of 16 rows (`pack_tiles`: int4 (tiles, in / 8, 64) uint8,
+        int8 (tiles, in / 4, 64) int8) with `scale` tiled too ((tiles, groups, 16), `tile_scales`) and `out_features`
         given. `scale`: (out, groups). `int8_inputs`: int4 weights' inputs rounded to 8 bits where the kernel takes
-        them (`kernels.int8_inputs_available`: `int4_linear`, on the weights in tiles), as hf_tfm's q4 asks."""
+        them (`tile_linear`), as hf_tfm's q4 asks; else 16 bits, as a W4A16 checkpoint promises."""
         super().__init__()
-        if weight.dim() == 3:  # tiles: kept where int4_linear runs, else the values
-            if int8_inputs and self._takes_tiles(weight.shape[1] * 8, scale.shape[1], scale.dtype, weight.device):
-                self._store(weight, scale, bias, out_features, bits=4, input_bits=8)
+        if weight.dim() == 3:  # tiles: kept where tile_linear takes them, else the values
+            bits = 4 if weight.dtype == torch.uint8 else 8
+            inputs = weight.shape[1] * kernels.TILE_INPUTS[bits]
+            if self._takes_tiles(bits, int8_inputs, inputs, scale.shape[1], scale.dtype, weight.device):
+                self._store(weight, scale, bias, out_features, bits=bits, tiled=True)
                 return
-            weight, scale = unpack_int4_tiles(weight, out_features), untile_scales(scale, out_features)
+            weight, scale = unpack_tiles(weight, out_features), untile_scales(scale, out_features)
         packed = weight.dtype == torch.uint8
         out_features, in_units = weight.shape[0], weight.shape[1] * (2 if packed else 1)
         groups = scale.shape[1]
         native = self._takes_kernel(in_units, groups, scale.dtype, weight.device)
-        if native and in_units // groups > GROUP_LIMIT:  # one scale per row of many inputs: the same scale per 64
-            scale = scale.repeat_interleave(in_units // groups // GROUP_MULTIPLE, dim=1)
-        # Storage: int4 values packed two to a byte (without loss) for the kernel, else a byte each
         if packed and not (native and in_units % 64 == 0):
             weight, packed = unpack_int4(weight), False
         if packed:
@@ -167,11 +168,17 @@ class Int8StreamingLinear(nn.Module):
             low, high = torch.aminmax(weight)
             int4 = bool(low >= -8) and bool(high <= 7)
             bits = 4 if native and int4 and in_units % 64 == 0 else 8
-            if bits == 4 and int8_inputs and self._takes_tiles(in_units, scale.shape[1], scale.dtype, weight.device):
-                self._store(pack_int4_tiles(weight), tile_scales(scale), bias, out_features, bits=4, input_bits=8)
-                return
-            weight = pack_int4(weight) if bits == 4 else weight
-        self._store(weight, scale, bias, out_features, bits=bits, input_bits=16, native=native)
+        tiled = self._takes_tiles(bits, int8_inputs, in_units, groups, scale.dtype, weight.device)
+        # A group past the kernel's limit (one scale per row of many inputs): the same scale per 64 inputs
+        if native and in_units // groups > (TILE_INT8_GROUP_LIMIT if tiled and bits == 8 else GROUP_LIMIT):
+            scale = scale.repeat_interleave(in_units // groups // GROUP_MULTIPLE, dim=1)
+        if tiled:
+            values = unpack_int4(weight) if packed else weight
+            self._store(pack_tiles(values, bits), tile_scales(scale), bias, out_features, bits=bits, tiled=True)
+            return
+        # Storage: int4 values packed two to a byte (without loss) for the kernel, else a byte each
+        weight = pack_int4(weight) if bits == 4 and not packed else weight
+        self._store(weight, scale, bias, out_features, bits=bits, tiled=False, native=native)
 
     def _store(
         self,
@@ -180,13 +187,14 @@ class Int8StreamingLinear(nn.Module):
         bias: torch.Tensor | None,
         out_features: int,
         bits: int,
-        input_bits: int,
+        tiled: bool,
         native: bool = True,
     ) -> None:
-        """Keep the stored weights and scales: (out, in * bits / 8) and (out, groups), or for 8-bit inputs int4 tiles
-        (tiles, in / 8, 64) and (tiles, groups, 16)."""
-        self.out_features, self.bits, self.input_bits, self.native = out_features, bits, input_bits, native
-        self.in_features = weight.shape[1] * (8 if input_bits == 8 else 8 // bits)
+        """Keep the stored weights and scales: rows (out, in * bits / 8) and (out, groups), or tiles (`pack_tiles`)
+        and (tiles, groups, 16)."""
+        self.out_features, self.bits, self.tiled, self.native = out_features, bits, tiled, native
+        self.input_bits = 8 if tiled and bits == 4 else 16
+        self.in_features = weight.shape[1] * (kernels.TILE_INPUTS[bits] if tiled else 8 // bits)
         # Long prompts take oneDNN's float32 product (see STREAMING_TOKENS) where the kernel is the AVX2 build
         self.prompts_dequantized = native and ONEDNN and not kernels.float_kernel_available()
         self.register_buffer("weight", weight)
@@ -194,10 +202,13 @@ class Int8StreamingLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
-    def _takes_tiles(cls, inputs: int, groups: int, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether int4 weights of `inputs` in `groups` scale groups run on `int4_linear` (8-bit inputs)."""
-        takes = inputs // groups <= GROUP_LIMIT and cls._takes_kernel(inputs, groups, dtype, device)
-        return takes and kernels.int8_inputs_available()
+    def _takes_tiles(
+        cls, bits: int, int8_inputs: bool, inputs: int, groups: int, dtype: torch.dtype, device: torch.device
+    ) -> bool:
+        """Whether weights of `bits` and `inputs` in `groups` scale groups run on `tile_linear`: int8 weights, and
+        int4 ones whose inputs may be rounded to 8 bits (`int8_inputs`)."""
+        takes = (bits == 8 or int8_inputs) and (bits == 8 or inputs // groups <= GROUP_LIMIT)
+        return takes and cls._takes_kernel(inputs, groups, dtype, device) and kernels.tiles_available()
 
     @staticmethod
     def _takes_kernel(inputs: int, groups: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -216,38 +227,35 @@ class Int8StreamingLinear(nn.Module):
         weight, group = linear.weight, _group_size(linear.in_features, 128)
         largest = 2 ** (bits - 1) - 1
         unit = largest + (bits == 4) / 2  # a group's largest magnitude over this is its scale
-        groups = weight.shape[1] // group
-        # int4 for the kernel is packed block by block too (the storage the constructor would make): in tiles of 16
-        # rows for int4_linear, else two to a byte in each row
-        packs = bits == 4 and weight.shape[1] % 64 == 0
-        packs = packs and cls._takes_kernel(weight.shape[1], groups, weight.dtype, weight.device)
-        tiles = packs and cls._takes_tiles(weight.shape[1], groups, weight.dtype, weight.device)
+        rows, inputs = weight.shape
+        groups = inputs // group
+        # Stored block by block as the constructor would store them, while each block is in the cache: in tiles of 16
+        # rows for tile_linear, int4 else two to a byte in each row where the kernel takes them
+        tiles = cls._takes_tiles(bits, True, inputs, groups, weight.dtype, weight.device)  # groups of 64 or 128
+        packs = not tiles and bits == 4 and inputs % 64 == 0
+        packs = packs and cls._takes_kernel(inputs, groups, weight.dtype, weight.device)
         if tiles:
-            tile_count = -(-weight.shape[0] // TILE)
-            quantized = torch.empty(tile_count, weight.shape[1] // 8, 4 * TILE, dtype=torch.uint8)  # on the CPU
+            dtype = torch.uint8 if bits == 4 else torch.int8
+            quantized = torch.empty(-(-rows // TILE), inputs // kernels.TILE_INPUTS[bits], 64, dtype=dtype)  # CPU
         else:
-            quantized = torch.empty(
-                weight.shape[0],
-                weight.shape[1] // (2 if packs else 1),
-                dtype=torch.uint8 if packs else torch.int8,
-                device=weight.device,
-            )
-        scale = torch.empty(weight.shape[0], groups, device=weight.device, dtype=torch.float32)
+            shape, dtype = (rows, inputs // 2) if packs else (rows, inputs), torch.uint8 if packs else torch.int8
+            quantized = torch.empty(shape, dtype=dtype, device=weight.device)
+        scale = torch.empty(rows, groups, device=weight.device, dtype=torch.float32)
         # A block of rows at a time: its temporaries stay in the cache (whole-matrix ones took 4 of the 6 s that
         # loading a 1.1B model as q4 took)
-        for start in range(0, weight.shape[0], QUANTIZE_ROWS):
-            rows = slice(start, start + QUANTIZE_ROWS)
-            block = weight[rows].float().unflatten(1, (-1, group))  # (rows, groups, group)
+        for start in range(0, rows, QUANTIZE_ROWS):
+            block_rows = slice(start, start + QUANTIZE_ROWS)
+            block = weight[block_rows].float().unflatten(1, (-1, group))  # (rows, groups, group)
             block_scale = block.abs().amax(dim=2).clamp(min=torch.finfo(torch.float32).tiny) / unit
             integers = (block / block_scale[..., None]).round_().clamp_(-largest - 1, largest).flatten(1)
             if tiles:  # QUANTIZE_ROWS is a multiple of TILE: the block's tiles are whole but for the last one
-                quantized[start // TILE : -(-(start + QUANTIZE_ROWS) // TILE)] = pack_int4_tiles(integers)
+                pack_tiles(integers, bits, out=quantized[start // TILE : -(-(start + QUANTIZE_ROWS) // TILE)])
             else:
-                quantized[rows] = pack_int4(integers) if packs else integers
-            scale[rows] = block_scale
+                quantized[block_rows] = pack_int4(integers) if packs else integers
+            scale[block_rows] = block_scale
         bias = None if linear.bias is None else linear.bias.detach().clone()
         if tiles:
-            return cls(quantized, tile_scales(scale), bias, int8_inputs=True, out_features=weight.shape[0])
+            return cls(quantized, tile_scales(scale), bias, int8_inputs=True, out_features=rows)
         return cls(quantized, scale.to(linear.weight.dtype), bias, int8_inputs=bits == 4)
 
     @classmethod
@@ -265,14 +273,17 @@ class Int8StreamingLinear(nn.Module):
     def concat(cls, layers: list["Int8StreamingLinear"]) -> "Int8StreamingLinear":
         """One layer whose outputs are `layers`' outputs side by side: their rows stacked, so a product reads them in
         one pass (`fuse_projections`). Each output row is computed as in its own layer, to the bit. Their stored rows
-        are stacked as they are: int4 rows stay packed."""
+        are stacked as they are (int4 rows stay packed), and their tiles too unless a layer's padded tile would lie
+        between two layers' rows."""
         bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
         int8_inputs = all(layer.input_bits == 8 for layer in layers)
-        if int8_inputs and all(layer.out_features % TILE == 0 for layer in layers[:-1]):  # whole tiles
-            stored = torch.cat([layer.weight for layer in layers])  # (tiles, in / 8, 64)
+        out_features = sum(layer.out_features for layer in layers)
+        tiled = all(layer.tiled for layer in layers)
+        if tiled and all(layer.out_features % TILE == 0 for layer in layers[:-1]):  # whole tiles
+            stored = torch.cat([layer.weight for layer in layers])  # (tiles, steps, 64)
             scale = torch.cat([layer.weight_scale for layer in layers])
-            return cls(stored, scale, bias, True, out_features=sum(layer.out_features for layer in layers))
-        if int8_inputs:  # a layer's padded tile would lie between two layers' rows: tiled again
+            return cls(stored, scale, bias, int8_inputs, out_features=out_features)
+        if tiled:  # tiled again from the values
             stored = torch.cat([layer.integers() for layer in layers])
         else:
             stored = torch.cat([layer.weight for layer in layers])  # (out, in * bits / 8): packed int4 as uint8
@@ -281,13 +292,13 @@ class Int8StreamingLinear(nn.Module):
 
     def integers(self) -> torch.Tensor:
         """The int8 values (out, in), unpacked."""
-        if self.input_bits == 8:
-            return unpack_int4_tiles(self.weight, self.out_features)
+        if self.tiled:
+            return unpack_tiles(self.weight, self.out_features)
         return unpack_int4(self.weight) if self.bits == 4 else self.weight
 
     def scales(self) -> torch.Tensor:
         """The scales (out, groups)."""
-        return untile_scales(self.weight_scale, self.out_features) if self.input_bits == 8 else self.weight_scale
+        return untile_scales(self.weight_scale, self.out_features) if self.tiled else self.weight_scale
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The float weights (out, in): each integer times its row's or its group's scale."""
@@ -298,8 +309,8 @@ class Int8StreamingLinear(nn.Module):
         if self.native and x.dtype == torch.float32 and x.device.type == "cpu":
             if self.prompts_dequantized and self._long_prompt(x):
                 return torch.ops.mkldnn._linear_pointwise(x, self.dequantized(x.dtype), self.bias, "none", [], "")
-            if self.input_bits == 8:
-                y = torch.ops.hf_tfm.int4_linear(x, self.weight, self.weight_scale, self.out_features)
+            if self.tiled:
+                y = torch.ops.hf_tfm.tile_linear(x, self.weight, self.weight_scale, self.out_features, self.bits)
             else:
                 y = torch.ops.hf_tfm.int_linear(x, self.weight, self.weight_scale, self.bits)
             return y if self.bias is None else y + self.bias
@@ -331,6 +342,7 @@ class Int8StreamingLinear(nn.Module):
             + (f"groups={groups}" if groups > 1 else "scale per row")
             + f", bits={self.bits}"
             + (f", native kernel, {self.input_bits}-bit inputs" if self.native else "")
+            + (", tiles of 16 rows" if self.tiled else "")
         )
 
 
@@ -342,7 +354,7 @@ def _fusable(layers: list[nn.Module]) -> bool:
         type(layer) is Int8StreamingLinear
         and (layer.in_features, layer.weight_scale.shape[1], layer.weight_scale.dtype, layer.native, layer.bits)
         == (first.in_features, first.weight_scale.shape[1], first.weight_scale.dtype, first.native, first.bits)
-        and layer.input_bits == first.input_bits
+        and (layer.input_bits, layer.tiled) == (first.input_bits, first.tiled)
         and (layer.bias is None) == (first.bias is None)
         for layer in layers
     )

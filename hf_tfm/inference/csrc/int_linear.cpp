@@ -5,16 +5,19 @@
 // y[t, n] = sum_g ws[n, g] * sum_{k in g} q[n, k] * x[t, k]: integer weights q with a float scale per group of
 // inputs (a multiple of 64 inputs, at most 4096). Each token's inputs are rounded to integers with a scale per group,
 // and integer multiply-adds take the products, so a weight costs a fraction of an instruction:
+// - `tile_linear`, AVX-512 VNNI only: weights in tiles of 16 rows, one instruction multiplies a few inputs of a token,
+//   broadcast, by the weights of each of the tile's 16 rows, so a tile's sums lie in the lanes of one vector: a
+//   group's scaling is a few vector instructions for 16 rows (row by row it was a chain per row and token, more
+//   instructions than the products), a block of 2 tiles by 4 tokens reuses each loaded weight and input, and one
+//   token reads a single stream of weights. int4 weights (hf_tfm's q4) by inputs rounded to int8 (2^-8, as llama.cpp's
+//   Q8_0 inputs are for its Q4_0 weights), `vpdpbusd` (64 products an instruction): TinyLlama's layer matrices on 2
+//   Zen 4 cores, 128 tokens in 8.1 ms where row by row took 21.2 (700 GMAC/s), one token streams the weights at
+//   50-55 GB/s where row by row read 40. int8 weights (q8, q4's lm_head, int8 checkpoints) by inputs rounded to int16,
+//   `vpdpwssd` (32 products an instruction), as W8A16 promises;
 // - `int_linear`: weights row by row, inputs rounded to int16 (a relative error of 2^-16: the weights' rounding is all
 //   the quantization there is, as "W4A16" and "W8A16" promise), weights widened to int16, AVX-512 VNNI's `vpdpwssd`
-//   (32 products an instruction) or AVX2's `vpmaddwd` and an add (16): q8, GPTQ / AWQ checkpoints, AVX2's q4;
-// - `int4_linear`, AVX-512 VNNI only (hf_tfm's q4): int4 weights in tiles of 16 rows by inputs rounded to int8 (2^-8,
-//   as llama.cpp's Q8_0 inputs are for its Q4_0 weights), `vpdpbusd` (64 products an instruction). One instruction
-//   multiplies 4 inputs of a token, broadcast, by the 4 weights of each of the tile's 16 rows, so a tile's sums lie in
-//   the lanes of one vector: a group's scaling is a few vector instructions for 16 rows (row by row it was a chain
-//   per row and token, more instructions than the products), and a block of 2 tiles by 4 tokens reuses each loaded
-//   weight and input. TinyLlama's layer matrices on 2 Zen 4 cores: 128 tokens in 8.1 ms where row by row took 21.2
-//   (700 GMAC/s), one token streams the weights at 50-55 GB/s where row by row read 40.
+//   (32 products an instruction) or AVX2's `vpmaddwd` and an add (16): GPTQ / AWQ int4 checkpoints, and every layer
+//   on AVX2.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -43,7 +46,7 @@ inline F32x16 scaled_add(F32x16 acc, I32x16 sums, float scale) {
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(scale), acc);
 }
 inline float total(F32x16 v) { return _mm512_reduce_add_ps(v); }
-#define INT4_TILES 1  // int4_linear: vpdpbusd
+#define INT_TILES 1  // tile_linear
 #elif defined(__AVX2__) && defined(__FMA__)
 struct I16x32 {
   __m256i low, high;
@@ -244,21 +247,52 @@ at::Tensor int_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
   return y;
 }
 
-#ifdef INT4_TILES
-// int4_linear's layout (kernels.pack_int4_tiles): rows in tiles of TILE, the last one padded with zero weights. A
-// tile's 8 inputs k..k+7 take 64 bytes, 4 per row: byte 4r + j holds row r's weight of input k + j, plus 8, in its
-// low nibble and that of input k + 4 + j in its high one. Scales: (tiles, groups, TILE).
+#ifdef INT_TILES
+// tile_linear's layouts (kernels.pack_tiles): rows in tiles of TILE, the last one padded with zero weights, each step
+// of a tile 64 bytes, a cache line, for the next INPUTS inputs k.. of its 16 rows in two halves:
+// - int4: 8 inputs; byte 4r + j holds row r's weight of input k + j, plus 8, in its low nibble and that of input
+//   k + 4 + j in its high one;
+// - int8: 4 inputs; byte 2r + j holds row r's weight of input k + j, byte 32 + 2r + j that of input k + 2 + j.
+// Scales: (tiles, groups, TILE).
 constexpr int TILE = 16;
+// A row's sum of a group lies in one lane: 16-bit inputs by int8 weights (at most 32767 x 128 a product) overflow
+// it past this many inputs
+constexpr int64_t TILE_INT8_GROUP_LIMIT = 512;
+
+// How a tile's step is multiplied: its two halves of weights as two vectors, by a token's inputs of each half
+// broadcast (4 bytes: 4 int8 or 2 int16 inputs a row), each a multiply-add into the 16 rows' int32 sums.
+// int4 weights by int8 inputs, `vpdpbusd` (the weights unsigned: stored plus 8, which is taken out per group)
+struct Int4Tiles {
+  using Input = int8_t;
+  static constexpr int BITS = 4, INPUTS = 8, BIAS = 8;
+  static constexpr float LARGEST = 127.0f;
+  static void weights(const uint8_t* step, __m512i* w) {
+    const __m512i packed = _mm512_loadu_si512(step), nibble = _mm512_set1_epi8(0x0F);
+    w[0] = _mm512_and_si512(packed, nibble);
+    w[1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+  }
+  static __m512i add(__m512i sums, __m512i w, __m512i x) { return _mm512_dpbusd_epi32(sums, w, x); }
+};
+// int8 weights, widened to int16, by int16 inputs: `vpdpwssd`
+struct Int8Tiles {
+  using Input = int16_t;
+  static constexpr int BITS = 8, INPUTS = 4, BIAS = 0;
+  static constexpr float LARGEST = 32767.0f;
+  static void weights(const uint8_t* step, __m512i* w) {
+    w[0] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(step)));
+    w[1] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + 32)));
+  }
+  static __m512i add(__m512i sums, __m512i w, __m512i x) { return _mm512_dpwssd_epi32(sums, w, x); }
+};
 
 // y[t, n0 .. n0 + 16 RT) for TB tokens: RT tiles' sums by TB tokens' broadcast inputs, RT * TB vectors of 16 rows.
-// The stored nibbles are the weights plus 8, so a group's sums hold 8 times the sum of its rounded inputs too, which
-// is taken out before scaling (exact, in integers).
-template <int RT, int TB>
-inline void tile_block(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t K, const uint8_t* w,
-                       int64_t tile_bytes, const float* ws, int64_t groups, float* y, int64_t N, int64_t n0,
-                       bool prefetch) {
+// Stored weights biased by P::BIAS make a group's sums hold BIAS times the sum of its rounded inputs too, which is
+// taken out before scaling (exact, in integers).
+template <typename P, int RT, int TB>
+inline void tile_block(const typename P::Input* xq, const float* xs, const int32_t* xsum, int64_t K,
+                       const uint8_t* w, int64_t tile_bytes, const float* ws, int64_t groups, float* y, int64_t N,
+                       int64_t n0, bool prefetch) {
   const int64_t group = K / groups;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[RT][TB];
   for (int r = 0; r < RT; ++r)
     for (int t = 0; t < TB; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -266,30 +300,28 @@ inline void tile_block(const int8_t* xq, const float* xs, const int32_t* xsum, i
     __m512i dot[RT][TB];
     for (int r = 0; r < RT; ++r)
       for (int t = 0; t < TB; ++t) dot[r][t] = _mm512_setzero_si512();
-    for (int64_t k = g * group; k < (g + 1) * group; k += 8) {
-      __m512i low[RT], high[RT];  // the tile's weights of inputs k..k+3 and k+4..k+7
+    for (int64_t k = g * group; k < (g + 1) * group; k += P::INPUTS) {
+      __m512i weights[RT][2];  // the tile's weights of the step's two halves of inputs
       for (int r = 0; r < RT; ++r) {
-        const uint8_t* bytes = w + r * tile_bytes + k * TILE / 2;
-        if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(bytes) + PREFETCH_BYTES, _MM_HINT_T0);
-        const __m512i packed = _mm512_loadu_si512(bytes);
-        low[r] = _mm512_and_si512(packed, nibble);
-        high[r] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+        const uint8_t* step = w + r * tile_bytes + k * TILE * P::BITS / 8;
+        if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(step) + PREFETCH_BYTES, _MM_HINT_T0);
+        P::weights(step, weights[r]);
       }
       for (int t = 0; t < TB; ++t) {
-        int32_t first, second;  // the token's 4 rounded inputs k..k+3, then k+4..k+7
+        int32_t first, second;  // the token's inputs of each half, 4 bytes
         std::memcpy(&first, xq + t * K + k, 4);
-        std::memcpy(&second, xq + t * K + k + 4, 4);
+        std::memcpy(&second, xq + t * K + k + P::INPUTS / 2, 4);
         const __m512i a = _mm512_set1_epi32(first), b = _mm512_set1_epi32(second);
-        for (int r = 0; r < RT; ++r)
-          dot[r][t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][t], low[r], a), high[r], b);
+        for (int r = 0; r < RT; ++r) dot[r][t] = P::add(P::add(dot[r][t], weights[r][0], a), weights[r][1], b);
       }
     }
     for (int t = 0; t < TB; ++t) {
-      const __m512i bias = _mm512_set1_epi32(8 * xsum[t * groups + g]);
       const __m512 input_scale = _mm512_set1_ps(xs[t * groups + g]);
       for (int r = 0; r < RT; ++r) {
+        __m512i sums = dot[r][t];
+        if constexpr (P::BIAS != 0) sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(P::BIAS * xsum[t * groups + g]));
         const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(ws + (r * groups + g) * TILE), input_scale);
-        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][t], bias)), scale, acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r][t]);
       }
     }
   }
@@ -302,10 +334,10 @@ inline void tile_block(const int8_t* xq, const float* xs, const int32_t* xsum, i
 
 // All T tokens against RT tiles, TB tokens at a time (RT = 2, TB = 4: 8 vectors of sums, 8 of floats, 4 of weights
 // and 2 of inputs in the 32 registers), the last T % TB together
-template <int RT, int TB>
-void tiles(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t T, int64_t K, const uint8_t* w,
+template <typename P, int RT, int TB>
+void tiles(const typename P::Input* xq, const float* xs, const int32_t* xsum, int64_t T, int64_t K, const uint8_t* w,
            const float* ws, int64_t groups, float* y, int64_t N, int64_t tile) {
-  const int64_t tile_bytes = TILE * K / 2;
+  const int64_t tile_bytes = TILE * K * P::BITS / 8;
   w += tile * tile_bytes;
   ws += tile * groups * TILE;
   int64_t t = 0;
@@ -313,54 +345,62 @@ void tiles(const int8_t* xq, const float* xs, const int32_t* xsum, int64_t T, in
     kernel(xq + t * K, xs + t * groups, xsum + t * groups, K, w, tile_bytes, ws, groups, y + t * N, N, tile * TILE,
            t == 0);
   };
-  for (; t + TB <= T; t += TB) at(tile_block<RT, TB>);
+  for (; t + TB <= T; t += TB) at(tile_block<P, RT, TB>);
   static_assert(TB <= 4, "the last tokens are taken 1, 2 or 3 at once");
   switch (T - t) {
-    case 1: at(tile_block<RT, 1>); break;
-    case 2: at(tile_block<RT, 2>); break;
-    case 3: at(tile_block<RT, 3>); break;
+    case 1: at(tile_block<P, RT, 1>); break;
+    case 2: at(tile_block<P, RT, 2>); break;
+    case 3: at(tile_block<P, RT, 3>); break;
     default: break;
   }
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, int64_t out_features) {
-  const int64_t K = x.size(-1), N = out_features;
-  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 3 && weight.size(1) * 8 == K &&
-                  weight.size(2) == TILE * 4,
-              "hf_tfm::int4_linear: ", K, " inputs need weight tiles (tiles, ", K / 8, ", 64) of uint8, got ",
-              weight.sizes());
-  const int64_t count = weight.size(0), groups = scale.size(1);
-  TORCH_CHECK(scale.dim() == 3 && scale.size(0) == count && scale.size(2) == TILE,
-              "hf_tfm::int4_linear: scale (tiles, groups, 16)");
-  TORCH_CHECK(N > (count - 1) * TILE && N <= count * TILE, "hf_tfm::int4_linear: ", count, " tiles hold ",
-              (count - 1) * TILE + 1, " to ", count * TILE, " outputs, not ", N);
-  check_inputs(x, scale, groups, "int4_linear");
-  const int64_t T = x.numel() / K;
-  const auto xc = x.contiguous();
-  const auto wc = weight.contiguous();
-  const auto sc = scale.contiguous();
-  std::vector<int8_t> xq(T * K);
+template <typename P>
+void multiply_tiles(const float* xf, int64_t T, int64_t K, const uint8_t* w, const float* ws, int64_t groups,
+                    int64_t count, float* y, int64_t N) {
+  std::vector<typename P::Input> xq(T * K);
   std::vector<float> xs(T * groups);
   std::vector<int32_t> xsum(T * groups);
-  round_inputs(xc.data_ptr<float>(), T, K, groups, 127.0f, xq.data(), xs.data(), xsum.data());
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto y = at::empty(sizes, x.options());
-  const auto* w = static_cast<const uint8_t*>(wc.data_ptr());
-  const float* ws = sc.data_ptr<float>();
-  float* out = y.data_ptr<float>();
+  round_inputs(xf, T, K, groups, P::LARGEST, xq.data(), xs.data(), P::BIAS != 0 ? xsum.data() : nullptr);
   // One token streams the weights, a tile at a time (2 at a time read 10-20% slower); more tokens take 2 tiles at once
   const int64_t step = T == 1 ? 1 : 2;
   at::parallel_for(0, (count + step - 1) / step, 4, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t tile = b * step;
       if (step == 2 && tile + 2 <= count)
-        tiles<2, 4>(xq.data(), xs.data(), xsum.data(), T, K, w, ws, groups, out, N, tile);
+        tiles<P, 2, 4>(xq.data(), xs.data(), xsum.data(), T, K, w, ws, groups, y, N, tile);
       else
         for (int64_t u = tile; u < std::min(tile + step, count); ++u)
-          tiles<1, 4>(xq.data(), xs.data(), xsum.data(), T, K, w, ws, groups, out, N, u);
+          tiles<P, 1, 4>(xq.data(), xs.data(), xsum.data(), T, K, w, ws, groups, y, N, u);
     }
   });
+}
+
+at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, int64_t out_features,
+                       int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "hf_tfm::tile_linear: bits must be 4 or 8, got ", bits);
+  const int64_t K = x.size(-1), N = out_features, inputs = bits == 4 ? 8 : 4;  // a step's
+  TORCH_CHECK(weight.scalar_type() == (bits == 4 ? at::kByte : at::kChar) && weight.dim() == 3 &&
+                  weight.size(1) * inputs == K && weight.size(2) == 64,
+              "hf_tfm::tile_linear: ", K, " inputs need int", bits, " weight tiles (tiles, ", K / inputs, ", 64) of ",
+              bits == 4 ? "uint8" : "int8", ", got ", weight.scalar_type(), " ", weight.sizes());
+  const int64_t count = weight.size(0), groups = scale.size(1);
+  TORCH_CHECK(scale.dim() == 3 && scale.size(0) == count && scale.size(2) == TILE,
+              "hf_tfm::tile_linear: scale (tiles, groups, 16)");
+  TORCH_CHECK(N > (count - 1) * TILE && N <= count * TILE, "hf_tfm::tile_linear: ", count, " tiles hold ",
+              (count - 1) * TILE + 1, " to ", count * TILE, " outputs, not ", N);
+  check_inputs(x, scale, groups, "tile_linear");
+  TORCH_CHECK(bits == 4 || K / groups <= TILE_INT8_GROUP_LIMIT,
+              "hf_tfm::tile_linear: int8 weights take groups of at most ", TILE_INT8_GROUP_LIMIT, " inputs");
+  const auto xc = x.contiguous();
+  const auto wc = weight.contiguous();
+  const auto sc = scale.contiguous();
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = at::empty(sizes, x.options());
+  const auto run = bits == 4 ? &multiply_tiles<Int4Tiles> : &multiply_tiles<Int8Tiles>;
+  run(xc.data_ptr<float>(), x.numel() / K, K, static_cast<const uint8_t*>(wc.data_ptr()), sc.data_ptr<float>(), groups,
+      count, y.data_ptr<float>(), N);
   return y;
 }
 #endif
@@ -369,13 +409,13 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 
 TORCH_LIBRARY(hf_tfm, m) {
   m.def("int_linear(Tensor x, Tensor weight, Tensor scale, int bits) -> Tensor");
-#ifdef INT4_TILES
-  m.def("int4_linear(Tensor x, Tensor weight, Tensor scale, int out_features) -> Tensor");
+#ifdef INT_TILES
+  m.def("tile_linear(Tensor x, Tensor weight, Tensor scale, int out_features, int bits) -> Tensor");
 #endif
 }
 TORCH_LIBRARY_IMPL(hf_tfm, CPU, m) {
   m.impl("int_linear", &int_linear);
-#ifdef INT4_TILES
-  m.impl("int4_linear", &int4_linear);
+#ifdef INT_TILES
+  m.impl("tile_linear", &tile_linear);
 #endif
 }
