@@ -69,11 +69,12 @@ def product(x: torch.Tensor, integers: torch.Tensor, scale: torch.Tensor, bits: 
         pytest.param(4, True, marks=tiled, id="int4_tiles"),
     ],
 )
-@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 13])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 9, 13])
 @pytest.mark.parametrize("groups", [1, 3])
 def test_kernel_computes_its_arithmetic(bits, tiles, tokens, groups):
     """Every row count (70: a remainder past the blocks of 4 rows, and of 2 tiles of 16, the last tile 6 rows),
-    token count (pairs and a last one; blocks of 4 and 1 to 3 left) and group layout gives the reference's sums to
+    token count (pairs and a last one; for tiles up to 9 in one block, more in blocks of 4 and 1 to 3 left) and group
+    layout gives the reference's sums to
     float32 rounding, whatever the inputs' scale (a zero token included): inputs rounded to 16 bits, 8 for int4
     tiles (q4's)."""
     torch.manual_seed(bits * 100 + tokens)
