@@ -108,8 +108,9 @@ def test_fast_inference_summary(tinyllama, base):
         f"batches of 8 at {over(tinyllama, 'llama.cpp q4_0', Q4, 'b8_step_s'):.2f}x Q4_0's",
     )
     assert min(q4_prompts) > 1  # "on prompts q4 is ahead"
-    # the base decoder: "the two decode one sequence at the same speed, and q4 reads prompts faster"
-    assert 0.95 <= over(base, "llama.cpp q4_0", Q4, "b1_step_s") <= 1.05
+    # the base decoder: "llama.cpp's Q4_0 decodes one sequence faster (q4 at 0.82x), and q4 reads prompts faster"
+    assert_states("fast-inference", f"`q4` at {over(base, 'llama.cpp q4_0', Q4, 'b1_step_s'):.2f}x its speed")
+    assert over(base, "llama.cpp q4_0", Q4, "b1_step_s") < 1
     assert all(over(base, "llama.cpp q4_0", Q4, key) > 1 for key in PROMPTS)
 
 
@@ -118,20 +119,20 @@ def test_llama_cpp_page_comparisons_hold(tinyllama, base):
     text = prose("llama-cpp")
     assert "its `q4` reads prompts faster than llama.cpp's Q4_0 and Q4_K_M at both shapes measured" in text
     assert "at TinyLlama-1.1B's shape decodes faster too, one sequence or a batch of 8" in text
+    assert "on the bench's 110 M-parameter decoder llama.cpp's Q4_0 decodes one sequence faster" in text
+    assert over(base, "llama.cpp q4_0", Q4, "b1_step_s") < 1 and over(base, "llama.cpp q4_0", Q4, "b8_step_s") > 1
     for theirs in ("llama.cpp q4_0", "llama.cpp q4_k_m"):
         assert all(over(run, theirs, Q4, key) > 1 for run in (base, tinyllama) for key in PROMPTS), theirs
         assert all(over(tinyllama, theirs, Q4, key) > 1 for key in ("b1_step_s", "b8_step_s")), theirs
-    for run in (base, tinyllama):  # the fastest decoding: of a batch of 8, and of one sequence to within 1%
+    for run in (base, tinyllama):  # the fastest decoding of a batch of 8
         llama_cpp = {setting: row for setting, row in run.items() if setting.startswith("llama.cpp")}
         assert min(llama_cpp, key=lambda setting: llama_cpp[setting]["b8_step_s"]) == "llama.cpp q4_0"
-        fastest = min(row["b1_step_s"] for row in llama_cpp.values())
-        assert llama_cpp["llama.cpp q4_0"]["b1_step_s"] <= 1.01 * fastest
     rows = json.loads((RESULTS / "quality_runtimes_small.json").read_text())["results"]
     gguf = {row["setting"]: row["perplexity"] for row in rows if row["setting"].startswith("gguf")}
     assert gguf["gguf_q4_k_m"] < gguf["gguf_q4_0"]  # q4_k_m: the least perplexity lost of the 4-bit types
     assert max(gguf, key=gguf.get) == "gguf_q4_0"  # the largest loss
     assert "the least perplexity lost of the 4-bit types" in text
-    assert "the fastest decoding (of batches most of all), at the largest loss" in text
+    assert "the fastest decoding of batches, at the largest loss" in text
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -187,7 +188,8 @@ def test_speculative_prose_is_the_bench_results():
     q4 = by_setting["q4"]
 
     def costs_of(setting: str) -> str:
-        return f"{min(costs[setting]):.1f} to {max(costs[setting]):.1f}"
+        low, high = f"{min(costs[setting]):.1f}", f"{max(costs[setting]):.1f}"
+        return low if low == high else f"{low} to {high}"
 
     assert_states(
         "speculative",
@@ -199,13 +201,13 @@ def test_speculative_prose_is_the_bench_results():
         f"{costs_of('fp32')} at float32",
         f"at {span([r['lookup_new_speedup'] for r in rows])} plain decoding's speed",
     )
-    # "both pay at every setting"; "they gain least at q8", whose verify step is the dearest
+    # "both pay at every setting"; "they gain most at q8", whose verify step costs the fewest one-token steps
     assert all(r["lookup_copied_speedup"] > 1.2 and r["assisted_speedup"] > 1.2 for r in rows)
     for row in by_setting["q8"]:
         others = [r for r in rows if r["size"] == row["size"] and r["setting"] != "q8"]
         for name in ("lookup_copied_speedup", "assisted_speedup"):
-            assert row[name] < min(r[name] for r in others), (row["size"], name)
-    assert min(costs["q8"]) > max(costs["q4"]) > max(costs["fp32"])
+            assert row[name] > max(r[name] for r in others), (row["size"], name)
+        assert verify_cost(row) < min(map(verify_cost, others)), row["size"]
     assert all(row["lookup_new_tokens_per_pass"] == 1.0 for row in rows)  # nothing proposed
 
 
